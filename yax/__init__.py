@@ -1,0 +1,25 @@
+"""YAX: trace JAX/Flax models into module expressions, query and rewrite them.
+
+>>> import yax
+>>> mox = yax.make_mox(model.apply)(variables, x)      # doctest: +SKIP
+>>> yax.query('//module_call[@type="Dense"]', mox)      # doctest: +SKIP
+"""
+
+from yax._errors import SignatureError as SignatureError
+from yax._errors import SubstitutionError as SubstitutionError
+from yax._errors import TraceError as TraceError
+from yax._errors import XPathError as XPathError
+from yax._errors import YaxError as YaxError
+from yax._eval import Interpreter as Interpreter
+from yax._eval import eval_mox as eval_mox
+from yax._eval import to_jaxpr as to_jaxpr
+from yax._ir import Equation as Equation
+from yax._ir import Expr as Expr
+from yax._ir import Literal as Literal
+from yax._ir import Mox as Mox
+from yax._ir import Symbol as Symbol
+from yax._ir import Var as Var
+from yax._ir import map_mox as map_mox
+from yax._trace import make_mox as make_mox
+
+__version__ = '0.1.0'

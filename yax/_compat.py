@@ -1,0 +1,32 @@
+"""Every use of JAX private internals lives here, with the reason for each.
+
+Tracing, evaluation and rewriting use only public APIs (``jax.make_jaxpr``,
+``jax.core.eval_jaxpr``, ``jax.extend.core``, ``flax.linen.intercept_methods``).
+The one thing the public API does not offer is JAX's Jaxpr *pretty printer*
+as building blocks: ``str(jaxpr)`` prints a whole jaxpr, but printing a
+``module_call`` with a nested body in the same syntax, with the same variable
+names and line breaking, needs the printer's pieces. If these names move in a
+future JAX, only printing of ``module_call`` nodes degrades (see
+``HAVE_PRINTER``); everything else keeps working.
+"""
+
+from __future__ import annotations
+
+try:
+  # Why: the building blocks of Jaxpr printing (naming context, settings,
+  # printing a list of variables, the `{ lambda ; ... let ... in ... }`
+  # skeleton, per-primitive printing rules) have no public equivalent.
+  from jax._src import core as _core
+  # Why: the Wadler-Lindig document type used by the functions above.
+  from jax._src import pretty_printer as pp
+
+  JaxprPpContext = _core.JaxprPpContext
+  JaxprPpSettings = _core.JaxprPpSettings
+  pp_vars = _core.pp_vars
+  pp_kv_pairs = _core.pp_kv_pairs
+  pp_jaxpr_skeleton = _core.pp_jaxpr_skeleton
+  pp_eqn_rules = _core.pp_eqn_rules
+  pp_eqns = _core.pp_eqns
+  HAVE_PRINTER = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on JAX
+  HAVE_PRINTER = False

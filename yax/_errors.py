@@ -1,0 +1,23 @@
+"""Errors raised on purpose by YAX. Every one derives from :class:`YaxError`."""
+
+from __future__ import annotations
+
+
+class YaxError(Exception):
+  """Base class of every error that YAX raises on purpose."""
+
+
+class TraceError(YaxError):
+  """A function could not be traced into a module expression."""
+
+
+class SignatureError(YaxError, TypeError):
+  """`eval_mox` got arguments that do not match the traced signature."""
+
+
+class XPathError(YaxError, ValueError):
+  """An XPath expression could not be compiled or evaluated."""
+
+
+class SubstitutionError(YaxError, ValueError):
+  """A replacement does not fit the node it should replace."""

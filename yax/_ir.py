@@ -1,0 +1,261 @@
+"""The MoX data model: symbols, equations and module calls.
+
+A module expression is a tree. Its leaves are :class:`Equation` s (one JAX
+primitive application each) and its inner nodes are :class:`Mox` es (one Flax
+module method call each, or an *ephemeral* node that stands for a plain
+function, e.g. the traced function itself).
+
+Symbols are shared across the whole tree: the ``inputs`` of a module call are
+the very symbols its body reads, and its ``outputs`` are the symbols its body
+defines. A symbol therefore has one identity (and one printed name) in the
+whole tree, and data flow can be followed through module boundaries.
+
+Nodes are immutable by convention: rewrites build new nodes with
+``.replace(...)`` and never modify a node in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+
+class Symbol:
+  """A value in a module expression. Symbols compare and hash by identity."""
+
+  __slots__ = ('aval',)
+
+  def __init__(self, aval):
+    self.aval = aval
+
+  def __eq__(self, other):
+    return self is other
+
+  def __hash__(self):
+    return id(self)
+
+  @property
+  def type_str(self) -> str:
+    """Short type, e.g. ``f32[1,10]``; the Python type name for a static value."""
+    if self.aval is None:
+      return type(getattr(self, 'value', None)).__name__
+    return self.aval.str_short(short_dtypes=True)
+
+
+class Var(Symbol):
+  """A symbol whose value is computed (or passed in) at evaluation time.
+
+  ``dropped`` marks an output that nothing reads (JAX prints it as ``_``).
+  """
+
+  __slots__ = ('dropped',)
+
+  def __init__(self, aval, dropped: bool = False):
+    super().__init__(aval)
+    self.dropped = dropped
+
+  def __repr__(self):
+    return f'Var({self.type_str}, id={id(self):#x})'
+
+
+class Literal(Symbol):
+  """A constant known at trace time.
+
+  Array literals carry an ``aval``. Static Python values (``bool``, ``None``,
+  strings, other non-array objects passed to a module) have ``aval=None``.
+  """
+
+  __slots__ = ('value',)
+
+  def __init__(self, value, aval=None):
+    super().__init__(aval)
+    self.value = value
+
+  @property
+  def is_static(self) -> bool:
+    return self.aval is None
+
+  def __repr__(self):
+    return f'Literal({self.value!r})'
+
+
+class Expr:
+  """Base class of tree nodes: ``inputs``, ``outputs`` and ``params``."""
+
+  __slots__ = ('inputs', 'outputs', 'params', '__weakref__')
+  children: list['Expr']
+
+  def __init__(self, inputs: Sequence[Symbol], outputs: Sequence[Symbol],
+               params: dict | None = None):
+    self.inputs = list(inputs)
+    self.outputs = list(outputs)
+    self.params = dict(params or {})
+
+  def replace(self, **changes):
+    """Returns a shallow copy with the given fields changed."""
+    new = object.__new__(type(self))
+    for cls in type(self).__mro__:
+      for name in getattr(cls, '__slots__', ()):
+        if name != '__weakref__' and hasattr(self, name):
+          setattr(new, name, getattr(self, name))
+    for name, value in changes.items():
+      if not hasattr(type(self), name) and name not in _all_slots(type(self)):
+        raise AttributeError(f'{type(self).__name__} has no field {name!r}')
+      setattr(new, name, value)
+    return new
+
+  def __str__(self):
+    from yax import _printing
+    return _printing.pp_expr(self)
+
+
+def _all_slots(cls):
+  return {n for c in cls.__mro__ for n in getattr(c, '__slots__', ())}
+
+
+class Equation(Expr):
+  """One application of a JAX primitive.
+
+  ``prim`` is the primitive and ``params`` its parameters, exactly as in a
+  Jaxpr (for ``jit``: ``name``, ``jaxpr``, ...). When a parameter holds a
+  Jaxpr in which Flax modules were called (``nn.scan``, ``nn.remat``,
+  ``nn.jit``), that body is also available as a tree in ``children``: one
+  ephemeral :class:`Mox` per such parameter, named by ``body_keys``.
+  """
+
+  __slots__ = ('prim', 'children', 'body_keys', 'effects', 'source_info', 'ctx')
+
+  def __init__(self, prim, inputs, outputs, params=None, *, children=(),
+               body_keys=(), effects=frozenset(), source_info=None, ctx=None):
+    super().__init__(inputs, outputs, params)
+    self.prim = prim
+    self.children = list(children)
+    self.body_keys = list(body_keys)
+    self.effects = effects
+    self.source_info = source_info
+    self.ctx = ctx
+
+  @property
+  def name(self) -> str:
+    return self.prim.name
+
+  def __repr__(self):
+    return (f'Equation({self.prim.name}, {len(self.inputs)} inputs, '
+            f'{len(self.outputs)} outputs)')
+
+
+class Mox(Expr):
+  """A module call (``module_call``): a Flax module method and its body.
+
+  Attributes:
+    children: the body, a list of :class:`Equation` and :class:`Mox`.
+    module_ty: the Flax module class; ``None`` for an ephemeral node (the
+      traced function itself, a spliced function, or a module whose class no
+      longer describes it after a rewrite).
+    entrypoint: the method name (``'__call__'``).
+    params: module dataclass fields except ``parent``, including ``name``.
+    path: Flax scope path, e.g. ``('encoder', 'layer', '0')``.
+    in_tree: treedef of the call arguments ``(args, kwargs)``.
+    out_tree: treedef of the result.
+    var_tree: treedef of the module variables read by the call; the first
+      ``var_tree.num_leaves`` inputs are these variables.
+    constvars, consts: constants captured by the trace (root node only).
+  """
+
+  __slots__ = ('children', 'module_ty', 'entrypoint', 'path', 'in_tree',
+               'out_tree', 'var_tree', 'constvars', 'consts')
+
+  def __init__(self, inputs, outputs, params=None, *, children=(),
+               module_ty=None, entrypoint=None, path=(), in_tree=None,
+               out_tree=None, var_tree=None, constvars=(), consts=()):
+    super().__init__(inputs, outputs, params)
+    self.children = list(children)
+    self.module_ty = module_ty
+    self.entrypoint = entrypoint
+    self.path = tuple(path)
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.var_tree = var_tree if var_tree is not None else EMPTY_TREE
+    self.constvars = list(constvars)
+    self.consts = list(consts)
+
+  @property
+  def is_ephemeral(self) -> bool:
+    return self.module_ty is None
+
+  @property
+  def num_vars(self) -> int:
+    return self.var_tree.num_leaves
+
+  @property
+  def var_inputs(self) -> list[Symbol]:
+    return self.inputs[:self.num_vars]
+
+  @property
+  def arg_inputs(self) -> list[Symbol]:
+    return self.inputs[self.num_vars:]
+
+  @property
+  def name(self) -> str | None:
+    return self.params.get('name')
+
+  @property
+  def type_name(self) -> str | None:
+    return self.module_ty.__name__ if self.module_ty is not None else None
+
+  def __repr__(self):
+    kind = self.type_name or 'ephemeral'
+    where = '/'.join(self.path) or '<root>'
+    return (f'Mox({kind} at {where}, {len(self.inputs)} inputs, '
+            f'{len(self.outputs)} outputs, {len(self.children)} children)')
+
+  def to_dict(self) -> dict:
+    """The tree as JSON-ready dicts (same content as the XML view)."""
+    from yax import _serialize
+    return _serialize.to_dict(self)
+
+  def to_json(self, indent: int | None = None) -> str:
+    from yax import _serialize
+    return _serialize.to_json(self, indent=indent)
+
+
+EMPTY_TREE = jax.tree_util.tree_structure(())
+
+
+def iter_nodes(expr: Expr) -> Iterator[Expr]:
+  """Pre-order traversal of every node under (and including) ``expr``."""
+  stack = [expr]
+  while stack:
+    node = stack.pop()
+    yield node
+    stack.extend(reversed(getattr(node, 'children', ())))
+
+
+def map_mox(fn: Callable[[Expr], Any], mox: Expr) -> list[Any]:
+  """Calls ``fn`` on every node of the tree in pre-order; returns the results.
+
+  **Arguments:**
+  - ``fn``: called as ``fn(node)`` for the root, then each child, depth first.
+  - ``mox``: the tree (or any node of it).
+
+  **Returns:** the list of ``fn``'s return values, in visiting order.
+  """
+  return [fn(node) for node in iter_nodes(mox)]
+
+
+def leaf_equations(expr: Expr) -> Iterator[Equation]:
+  """Equations in evaluation order, descending into module calls only."""
+  for child in expr.children:
+    if isinstance(child, Mox):
+      yield from leaf_equations(child)
+    else:
+      yield child
+
+
+def is_array_like(x) -> bool:
+  """Leaves that are dynamic inputs: arrays, tracers and Python numbers."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) \
+      and not isinstance(x, bool) or isinstance(x, jax.core.Tracer)

@@ -1,0 +1,139 @@
+"""Jaxpr-style text for module expressions.
+
+The tree is converted to a *display Jaxpr* in which each module call is one
+equation of a ``module_call`` primitive (never bound, only printed) whose
+body is printed as a nested ``{ lambda ; ... }`` block. JAX's own printer
+then does the naming and line breaking, so a tree without module calls prints
+exactly as ``jax.make_jaxpr`` does, and a symbol has one name in the whole
+text.
+"""
+
+from __future__ import annotations
+
+from jax.extend import core as jex
+
+from yax import _compat
+from yax._eval import _JaxVars, dynamic, jax_equation
+from yax._format import format_value
+from yax._ir import Equation, Expr, Mox
+
+module_call_p = jex.Primitive('module_call')
+module_call_p.multiple_results = True
+
+
+class _Body:
+  """Holds a module body; not a Jaxpr, so JAX does not hoist it."""
+
+  def __init__(self, jaxpr):
+    self.jaxpr = jaxpr
+
+
+def module_attributes(mox: Mox) -> list[tuple[str, str]]:
+  """(key, text) pairs shown for a module call: type, name, path, method,
+  then the module fields (``None`` fields omitted)."""
+  out = []
+  if mox.module_ty is not None:
+    out.append(('type', mox.module_ty.__name__))
+  if mox.name is not None:
+    out.append(('name', str(mox.name)))
+  if mox.path:
+    out.append(('path', '/'.join(mox.path)))
+  if mox.entrypoint is not None:
+    out.append(('method', mox.entrypoint))
+  for key, value in mox.params.items():
+    if key == 'name':
+      continue
+    text = format_value(value, bools='python')
+    if text is not None:
+      out.append((key, text))
+  return out
+
+
+def _pp_module_call(eqn, context, settings):
+  pp = _compat.pp
+  mox: Mox = eqn.params['mox']
+  body = eqn.params['body'].jaxpr
+  lhs = _compat.pp_vars(eqn.outvars, context,
+                        print_shapes=settings.print_shapes)
+  attrs = [(k, v) for k, v in module_attributes(mox)]
+  if mox.is_ephemeral:
+    attrs.insert(0, ('ephemeral', 'True'))
+  skeleton = _compat.pp_jaxpr_skeleton(
+      body, lambda: _compat.pp_eqns(body.eqns, context, settings),
+      context, settings)
+  rhs = [pp.text('module_call'), _compat.pp_kv_pairs(attrs, context, settings),
+         pp.text(' '), skeleton]
+  if eqn.outvars:
+    return pp.concat([lhs, pp.text(' = '), *rhs])
+  return pp.concat(rhs)
+
+
+if _compat.HAVE_PRINTER:
+  _compat.pp_eqn_rules[module_call_p] = _pp_module_call
+
+
+class _Display:
+  def __init__(self):
+    self.jv = _JaxVars()
+
+  def eqns(self, children) -> list:
+    out = []
+    for child in children:
+      if isinstance(child, Mox):
+        out.append(self.module_call(child))
+      else:
+        out.append(self.equation(child))
+    return out
+
+  def module_call(self, mox: Mox):
+    jv = self.jv
+    invars = [jv(s) for s in dynamic(mox.inputs)]
+    outvars = [jv(s) for s in dynamic(mox.outputs)]
+    body = jex.Jaxpr([], [v for v in invars if isinstance(v, jex.Var)],
+                     outvars, self.eqns(mox.children))
+    binders = [v for v in outvars if isinstance(v, jex.Var)]
+    return jex.new_jaxpr_eqn(invars, binders, module_call_p,
+                             {'mox': mox, 'body': _Body(body)}, frozenset())
+
+  def equation(self, eqn: Equation):
+    if not eqn.children:
+      return jax_equation(eqn, self.jv)
+    params = dict(eqn.params)
+    for key, body in zip(eqn.body_keys, eqn.children):
+      shown = _Display().closed(body)
+      if isinstance(key, tuple):
+        name, i = key
+        seq = list(params[name])
+        seq[i] = shown if isinstance(seq[i], jex.ClosedJaxpr) else shown.jaxpr
+        params[name] = type(params[name])(seq)
+      else:
+        params[key] = (shown if isinstance(params[key], jex.ClosedJaxpr)
+                       else shown.jaxpr)
+    return jax_equation(eqn.replace(params=params), self.jv)
+
+  def closed(self, mox: Mox) -> jex.ClosedJaxpr:
+    jv = self.jv
+    constvars = [jv(s) for s in mox.constvars]
+    invars = [jv(s) for s in dynamic(mox.inputs)]
+    eqns = self.eqns(mox.children)
+    outvars = [jv(s) for s in dynamic(mox.outputs)]
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    return jex.ClosedJaxpr(jex.Jaxpr(constvars, invars, outvars, eqns, effects),
+                           list(mox.consts))
+
+
+def display_jaxpr(expr: Expr) -> jex.ClosedJaxpr:
+  """The Jaxpr that ``str(expr)`` prints (module calls as equations)."""
+  if isinstance(expr, Equation):
+    wrapper = Mox(expr.inputs, expr.outputs, children=[expr])
+    return _Display().closed(wrapper)
+  if not expr.is_ephemeral:
+    # A module call on its own prints as a function of its inputs.
+    return _Display().closed(Mox(expr.inputs, expr.outputs, children=[expr]))
+  return _Display().closed(expr)
+
+
+def pp_expr(expr: Expr) -> str:
+  if not _compat.HAVE_PRINTER:  # pragma: no cover - depends on JAX version
+    return repr(expr)
+  return str(display_jaxpr(expr))

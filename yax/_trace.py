@@ -1,0 +1,355 @@
+"""Tracing: any JAX callable -> module expression (MoX).
+
+How it works, in three steps, all on public APIs:
+
+1. ``jax.make_jaxpr`` traces the function while a
+   ``flax.linen.intercept_methods`` interceptor is active.
+2. The interceptor wraps every Flax method call in boundary markers
+   (see ``_markers``): ``yax_enter(*variables, *args)`` before the call and
+   ``yax_exit(*outputs)`` after it, and records what the call was (module
+   class, fields, path, argument and output trees) under a fresh call id.
+3. A small interpreter walks the Jaxpr, opening a ``module_call`` node at each
+   enter marker and closing it at the matching exit marker. Markers are
+   dropped; marker outputs become aliases of marker inputs, so a module call
+   reads and writes the same symbols as the code around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+from yax import _markers
+from yax._errors import TraceError
+from yax._ir import EMPTY_TREE, Equation, Literal, Mox, Symbol, Var
+
+tree_flatten = jax.tree_util.tree_flatten
+tree_unflatten = jax.tree_util.tree_unflatten
+
+
+# ----------------------------------------------------------------- leaves
+
+def is_dynamic_arg(x) -> bool:
+  """At the root, arrays and Python numbers are traced; everything else
+  (``bool``, strings, other objects) is static and baked into the trace."""
+  if isinstance(x, (bool, np.bool_)):
+    return False
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
+                        jax.core.Tracer))
+
+
+def is_traced_value(x) -> bool:
+  """Inside a module call only arrays and tracers flow through markers;
+  Python scalars passed to a module are static (e.g. ``deterministic=True``)."""
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
+      isinstance(x, np.ndarray) and x.dtype == object)
+
+
+def _is_jax_output(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
+                        bool, jax.core.Tracer))
+
+
+# ----------------------------------------------------------- call records
+
+@dataclasses.dataclass
+class CallRecord:
+  """What the interceptor saw about one module method call."""
+  module_ty: type
+  method: str
+  params: dict
+  path: tuple
+  var_tree: Any
+  in_tree: Any
+  arg_statics: dict  # leaf position -> static value
+  num_arg_leaves: int
+  out_tree: Any = None
+  out_statics: dict = dataclasses.field(default_factory=dict)
+  num_out_leaves: int = 0
+
+
+def module_fields(module: nn.Module) -> dict:
+  """A module's dataclass fields except ``parent``, including ``name``."""
+  out = {}
+  for f in dataclasses.fields(module):
+    if f.name == 'parent' or not f.init and f.name != 'name':
+      continue
+    out[f.name] = getattr(module, f.name, None)
+  return out
+
+
+_ids = itertools.count()
+_state = threading.local()
+
+
+def _recording():
+  return getattr(_state, 'records', None)
+
+
+def _interceptor(next_fun, args, kwargs, context):
+  records = _recording()
+  if records is None or context.method_name == 'setup':
+    return next_fun(*args, **kwargs)
+  module = context.module
+  try:
+    variables = module.variables
+  except Exception:  # unbound module: nothing to record
+    return next_fun(*args, **kwargs)
+  variables = jax.tree_util.tree_map(
+      lambda v: v if is_traced_value(v) else None, dict(variables))
+  var_leaves, var_tree = tree_flatten(variables)
+  leaves, in_tree = tree_flatten((args, kwargs))
+  dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
+  call_id = next(_ids)
+  record = CallRecord(
+      module_ty=type(module), method=context.method_name,
+      params=module_fields(module), path=tuple(module.path),
+      var_tree=var_tree, in_tree=in_tree,
+      arg_statics={i: x for i, x in enumerate(leaves) if i not in set(dyn)},
+      num_arg_leaves=len(leaves))
+  records[call_id] = record
+
+  marked = _markers.enter_p.bind(
+      *var_leaves, *[leaves[i] for i in dyn], call_id=call_id,
+      num_vars=len(var_leaves))
+  leaves = list(leaves)
+  for i, x in zip(dyn, marked):
+    leaves[i] = x
+  args, kwargs = tree_unflatten(in_tree, leaves)
+
+  out = next_fun(*args, **kwargs)
+
+  out_leaves, out_tree = tree_flatten(out)
+  out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
+  record.out_tree = out_tree
+  record.num_out_leaves = len(out_leaves)
+  record.out_statics = {i: x for i, x in enumerate(out_leaves)
+                        if i not in set(out_dyn)}
+  marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
+                                call_id=call_id)
+  for i, x in zip(out_dyn, marked):
+    out_leaves[i] = x
+  return tree_unflatten(out_tree, out_leaves)
+
+
+# ------------------------------------------------------------ make_mox
+
+def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
+  """Returns a function that traces ``fn`` into a module expression.
+
+  **Arguments:**
+  - ``fn``: any JAX callable: ``model.apply``, ``model.init``, a Hugging Face
+    Flax model (``model(input_ids, params=...)``) or a plain function.
+  - ``jaxpr_kwargs``: passed to ``jax.make_jaxpr`` (e.g. ``axis_env``).
+
+  **Returns:** ``trace(*args, **kwargs) -> Mox``. The root is ephemeral (it
+  stands for ``fn``); its ``inputs`` are the leaves of ``(args, kwargs)`` and
+  its ``outputs`` the leaves of ``fn``'s result. Arrays and Python numbers are
+  dynamic inputs; ``bool``, strings and other objects are static.
+
+  Example::
+
+      mox = yax.make_mox(model.apply)(variables, x)
+      print(mox)
+  """
+  if not callable(fn):
+    raise TraceError(f'make_mox expects a callable, found {type(fn).__name__}: '
+                     f'{fn!r}')
+
+  @functools.wraps(fn)
+  def trace(*args, **kwargs) -> Mox:
+    leaves, in_tree = tree_flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if is_dynamic_arg(x)]
+    out_info = {}
+
+    def flat_fn(*dyn_vals):
+      full = list(leaves)
+      for i, v in zip(dyn, dyn_vals):
+        full[i] = v
+      a, k = tree_unflatten(in_tree, full)
+      with nn.intercept_methods(_interceptor):
+        out = fn(*a, **k)
+      out_leaves, out_tree = tree_flatten(out)
+      out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
+      out_info.update(tree=out_tree, leaves=out_leaves, dyn=out_dyn)
+      return [out_leaves[i] for i in out_dyn]
+
+    outer = _recording()
+    _state.records = records = {} if outer is None else outer
+    try:
+      closed = jax.make_jaxpr(flat_fn, **jaxpr_kwargs)(
+          *[leaves[i] for i in dyn])
+    finally:
+      _state.records = outer
+    return build_root(closed, records, leaves, in_tree, dyn, out_info)
+
+  return trace
+
+
+def build_root(closed, records, leaves, in_tree, dyn, out_info) -> Mox:
+  builder = _Builder(records)
+  jaxpr = closed.jaxpr
+  constvars = [builder.bind(v) for v in jaxpr.constvars]
+  invars = iter(builder.bind(v) for v in jaxpr.invars)
+  dyn_set = set(dyn)
+  inputs = [next(invars) if i in dyn_set else Literal(x)
+            for i, x in enumerate(leaves)]
+  children = builder.build_body(jaxpr)
+  outvars = iter(builder.read(v) for v in jaxpr.outvars)
+  out_dyn = set(out_info['dyn'])
+  outputs = [next(outvars) if i in out_dyn else Literal(x)
+             for i, x in enumerate(out_info['leaves'])]
+  return Mox(inputs, outputs, {}, children=children, in_tree=in_tree,
+             out_tree=out_info['tree'], constvars=constvars,
+             consts=list(closed.consts))
+
+
+# -------------------------------------------------------- tree builder
+
+def contains_markers(jaxpr) -> bool:
+  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive in _markers.MARKERS:
+      return True
+    if any(contains_markers(j) for j in _sub_jaxprs(eqn.params)):
+      return True
+  return False
+
+
+def _sub_jaxprs(params):
+  for value in params.values():
+    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
+      yield value
+    elif isinstance(value, (tuple, list)):
+      yield from (v for v in value if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)))
+
+
+@dataclasses.dataclass
+class _Frame:
+  call_id: int
+  record: CallRecord | None
+  var_inputs: list
+  arg_inputs: list
+  children: list
+
+
+class _Builder:
+  """Turns a Jaxpr with markers into a tree, one scope at a time."""
+
+  def __init__(self, records):
+    self.records = records
+    self.env: dict[Any, Symbol] = {}
+
+  def bind(self, v) -> Var:
+    sym = Var(v.aval, dropped=isinstance(v, jex.DropVar))
+    self.env[v] = sym
+    return sym
+
+  def read(self, v) -> Symbol:
+    if isinstance(v, jex.Literal):
+      return Literal(v.val, v.aval)
+    return self.env[v]
+
+  def build_body(self, jaxpr) -> list:
+    root = _Frame(-1, None, [], [], [])
+    stack = [root]
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is _markers.enter_p:
+        ins = [self.read(v) for v in eqn.invars]
+        n = eqn.params['num_vars']
+        for o, s in zip(eqn.outvars, ins[n:]):
+          self.env[o] = s
+        call_id = eqn.params['call_id']
+        stack.append(_Frame(call_id, self.records.get(call_id), ins[:n],
+                            ins[n:], []))
+      elif eqn.primitive is _markers.exit_p:
+        outs = [self.read(v) for v in eqn.invars]
+        for o, s in zip(eqn.outvars, outs):
+          self.env[o] = s
+        call_id = eqn.params['call_id']
+        if not any(f.call_id == call_id for f in stack[1:]):
+          continue  # its enter marker was removed by a transformation
+        while stack[-1].call_id != call_id:  # unmatched enter: splice it
+          frame = stack.pop()
+          stack[-1].children.extend(frame.children)
+        frame = stack.pop()
+        stack[-1].children.append(self._module_call(frame, outs))
+      else:
+        stack[-1].children.append(self.equation(eqn))
+    while len(stack) > 1:
+      frame = stack.pop()
+      stack[-1].children.extend(frame.children)
+    return root.children
+
+  def _module_call(self, frame: _Frame, dyn_outs) -> Mox:
+    rec = frame.record
+    if rec is None:
+      raise TraceError(f'internal: no record for module call {frame.call_id}')
+    args = iter(frame.arg_inputs)
+    arg_syms = [Literal(rec.arg_statics[i]) if i in rec.arg_statics
+                else next(args) for i in range(rec.num_arg_leaves)]
+    outs = iter(dyn_outs)
+    out_syms = [Literal(rec.out_statics[i]) if i in rec.out_statics
+                else next(outs) for i in range(rec.num_out_leaves)]
+    return Mox(frame.var_inputs + arg_syms, out_syms, dict(rec.params),
+               children=frame.children, module_ty=rec.module_ty,
+               entrypoint=rec.method, path=rec.path, in_tree=rec.in_tree,
+               out_tree=rec.out_tree, var_tree=rec.var_tree)
+
+  def equation(self, eqn) -> Equation:
+    inputs = [self.read(v) for v in eqn.invars]
+    params = dict(eqn.params)
+    bodies, keys = [], []
+    for key, value in eqn.params.items():
+      if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
+        if contains_markers(value):
+          body = self.subtree(value)
+          bodies.append(body)
+          keys.append(key)
+          params[key] = body_to_param(body, value)
+      elif isinstance(value, (tuple, list)) and any(
+          isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) and contains_markers(v)
+          for v in value):
+        new = list(value)
+        for i, v in enumerate(value):
+          if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) and contains_markers(v):
+            body = self.subtree(v)
+            bodies.append(body)
+            keys.append((key, i))
+            new[i] = body_to_param(body, v)
+        params[key] = type(value)(new)
+    outputs = [self.bind(v) for v in eqn.outvars]
+    return Equation(eqn.primitive, inputs, outputs, params, children=bodies,
+                    body_keys=keys, effects=eqn.effects,
+                    source_info=eqn.source_info, ctx=eqn.ctx)
+
+  def subtree(self, jaxpr_like) -> Mox:
+    """An ephemeral node for a Jaxpr held in an equation's parameters."""
+    closed = isinstance(jaxpr_like, jex.ClosedJaxpr)
+    jaxpr = jaxpr_like.jaxpr if closed else jaxpr_like
+    constvars = [self.bind(v) for v in jaxpr.constvars]
+    inputs = [self.bind(v) for v in jaxpr.invars]
+    children = self.build_body(jaxpr)
+    outputs = [self.read(v) for v in jaxpr.outvars]
+    return Mox(inputs, outputs, {}, children=children,
+               in_tree=jax.tree_util.tree_structure(list(inputs)),
+               out_tree=jax.tree_util.tree_structure(list(outputs)),
+               constvars=constvars,
+               consts=list(jaxpr_like.consts) if closed else [])
+
+
+def body_to_param(body: Mox, like):
+  """Converts a body back to the parameter form it came in (marker-free)."""
+  from yax._eval import to_jaxpr
+  closed = to_jaxpr(body)
+  if isinstance(like, jex.ClosedJaxpr):
+    return closed
+  return closed.jaxpr
