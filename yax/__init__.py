@@ -20,6 +20,9 @@ from yax._ir import Mox as Mox
 from yax._ir import Symbol as Symbol
 from yax._ir import Var as Var
 from yax._ir import map_mox as map_mox
+from yax._lora import LoraResult as LoraResult
+from yax._lora import lora as lora
+from yax._sub import sub as sub
 from yax._trace import make_mox as make_mox
 
 __version__ = '0.1.0'

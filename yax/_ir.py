@@ -139,8 +139,22 @@ class Equation(Expr):
     self.ctx = ctx
 
   @property
-  def name(self) -> str:
-    return self.prim.name
+  def name(self) -> str | None:
+    """The function name JAX shows for this equation, if any.
+
+    ``params['name']`` for ``jit``; for ``custom_jvp_call`` and friends the
+    name of the wrapped function (``relu``), from its Jaxpr's debug info.
+    """
+    name = self.params.get('name')
+    if isinstance(name, str):
+      return name
+    for value in self.params.values():
+      jaxpr = getattr(value, 'jaxpr', value)
+      info = getattr(jaxpr, 'debug_info', None)
+      src = getattr(info, 'func_src_info', None)
+      if isinstance(src, str) and src:
+        return src.split(' ')[0]
+    return None
 
   def __repr__(self):
     return (f'Equation({self.prim.name}, {len(self.inputs)} inputs, '

@@ -43,7 +43,7 @@ def is_dynamic_arg(x) -> bool:
   if isinstance(x, (bool, np.bool_)):
     return False
   return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
-                        jax.core.Tracer))
+                        jax.core.Tracer, jax.ShapeDtypeStruct))
 
 
 def is_traced_value(x) -> bool:

@@ -1,0 +1,511 @@
+"""Substitution: replace nodes of a module expression, get a new tree.
+
+``sub(expr_or_nodes, repl, mox)`` walks the tree in evaluation order and
+rebuilds it. Each selected node is replaced by a *copy* of the replacement
+whose symbols are fresh, except where it is wired to the tree:
+
+* its leading non-variable inputs read the replaced node's inputs;
+* its variables reuse the replaced node's variables where the name, shape and
+  dtype agree (a fresh trace of the same module reads the same weights);
+  other variables are new, placed in the params tree at the module's path;
+* everything downstream that read the node's outputs reads the copy's.
+
+New variables and extra inputs propagate up: every enclosing module call
+lists them among its inputs (and its ``var_tree``/``in_tree``), turns
+ephemeral since its Flax class no longer describes it, and the root's
+``in_tree`` describes the argument tree ``eval_mox`` now expects.
+
+Nothing is mutated: on error the original tree is intact, and on success
+unchanged subtrees are shared between the old and the new tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence, Union
+
+import jax
+from jax import tree_util as jtu
+
+from yax._errors import SubstitutionError
+from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var
+
+Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
+
+# A variable location: (collection, *module path, *name inside the module).
+Loc = tuple
+
+
+def _where(node: Expr) -> str:
+  if isinstance(node, Mox):
+    kind = node.type_name or 'ephemeral module_call'
+    return f"{kind} at path '{'/'.join(node.path) or '<root>'}'"
+  return f"equation '{node.prim.name}'"
+
+
+def _key_name(key) -> Any:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return str(key)
+
+
+def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
+  """(location, symbol) for each variable input of a module call."""
+  if mox.num_vars == 0:
+    return []
+  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
+  out = []
+  for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
+    keys = tuple(str(_key_name(k)) for k in keypath)
+    out.append(((keys[0], *mox.path, *keys[1:]), mox.inputs[i]))
+  return out
+
+
+def _rel_keys(mox: Mox) -> list[tuple]:
+  """Keys of each variable inside the module: ('params', 'kernel')."""
+  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
+  return [tuple(str(_key_name(k)) for k in kp)
+          for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
+
+
+def _insert(tree, keys: Sequence, value):
+  """A copy of ``tree`` with ``value`` set at ``keys`` (dicts created)."""
+  if not keys:
+    return value
+  key, rest = keys[0], keys[1:]
+  if isinstance(tree, tuple) and not hasattr(tree, '_fields'):
+    items = list(tree)
+    if key == len(items):
+      items.append(None)
+    items[key] = _insert(items[key], rest, value)
+    return tuple(items)
+  if isinstance(tree, list):
+    items = list(tree)
+    if key == len(items):
+      items.append(None)
+    items[key] = _insert(items[key], rest, value)
+    return items
+  if tree is None:
+    tree = {}
+  if hasattr(tree, 'keys') and hasattr(tree, '__getitem__'):
+    new = dict(tree.items())
+    new[key] = _insert(new.get(key), rest, value)
+    return new
+  raise SubstitutionError(
+      f'cannot add a variable under a {type(tree).__name__} node of the '
+      f'argument tree (expected a dict, tuple or list)')
+
+
+def _same_type(a: Symbol, b: Symbol) -> bool:
+  if a.aval is None or b.aval is None:
+    return a.aval is None and b.aval is None
+  return (tuple(a.aval.shape) == tuple(b.aval.shape)
+          and a.aval.dtype == b.aval.dtype)
+
+
+def _dyn(symbols):
+  return [s for s in symbols if not isinstance(s, Literal)]
+
+
+@dataclasses.dataclass
+class _Frame:
+  """An enclosing module call being rebuilt; collects what propagates up."""
+  node: Mox
+  new_vars: list  # (loc, Var)
+  new_args: list  # Var
+  is_body: bool = False  # the body of an equation (nn.scan, nn.remat ...)
+
+
+class _Substitution:
+
+  def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement):
+    self.root = root
+    self.targets = {id(t): t for t in targets}
+    self.repl = repl
+    self.ren: dict[Symbol, Symbol] = {}
+    self.stack: list[_Frame] = []
+    self.added: dict[Loc, Var] = {}  # new variables by location
+    self.new_consts: list[tuple[Var, Any]] = []
+    self._index_root()
+
+  # -- where variables live in the root arguments
+
+  def _index_root(self):
+    root = self.root
+    placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
+    self.keypaths = {}
+    for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
+      self.keypaths[root.inputs[i]] = tuple(_key_name(k) for k in keypath)
+    self.locs: dict[Loc, Symbol] = {}
+    self.prefix: dict[str, tuple] = {}  # collection -> root keypath prefix
+    stack = list(root.children)
+    while stack:
+      node = stack.pop()
+      if not isinstance(node, Mox):
+        continue  # equation bodies have their own (inner) variables
+      stack.extend(node.children)
+      if node.is_ephemeral:
+        continue
+      for loc, sym in _var_locs(node):
+        keypath = self.keypaths.get(sym)
+        if keypath is None:
+          continue
+        self.locs.setdefault(loc, sym)
+        tail = tuple(loc[1:])
+        if len(keypath) > len(tail) and tuple(
+            str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
+          self.prefix.setdefault(loc[0], keypath[:len(keypath) - len(tail)])
+
+  # -- the walk
+
+  def run(self) -> Mox:
+    if id(self.root) in self.targets:
+      raise SubstitutionError('the root of a tree cannot be substituted; '
+                              'trace the replacement function instead')
+    frame = _Frame(self.root, [], [])
+    self.stack.append(frame)
+    children = self.rebuild_children(self.root.children)
+    self.stack.pop()
+    return self.finish_root(children, frame)
+
+  def rename(self, sym: Symbol) -> Symbol:
+    return self.ren.get(sym, sym)
+
+  def rebuild_children(self, children) -> list:
+    out = []
+    for child in children:
+      if id(child) in self.targets:
+        out.extend(self.replace(child))
+      elif isinstance(child, Mox):
+        out.append(self.rebuild_module(child))
+      else:
+        out.append(self.rebuild_equation(child))
+    return out
+
+  def rebuild_module(self, node: Mox) -> Mox:
+    frame = _Frame(node, [], [])
+    self.stack.append(frame)
+    children = self.rebuild_children(node.children)
+    self.stack.pop()
+    inputs = [self.rename(s) for s in node.inputs]
+    outputs = [self.rename(s) for s in node.outputs]
+    if not frame.new_vars and not frame.new_args:
+      if (inputs == node.inputs and outputs == node.outputs and
+          all(a is b for a, b in zip(children, node.children))):
+        return node
+      return node.replace(inputs=inputs, outputs=outputs, children=children)
+    var_inputs, var_tree = self._grow_vars(
+        node, inputs[:node.num_vars], frame.new_vars)
+    arg_inputs, in_tree = self._grow_args(
+        node.in_tree, inputs[node.num_vars:], frame.new_args)
+    return node.replace(inputs=var_inputs + arg_inputs, outputs=outputs,
+                        children=children, var_tree=var_tree, in_tree=in_tree,
+                        module_ty=None)
+
+  def _grow_vars(self, node: Mox, var_inputs, new_vars):
+    tree = jtu.tree_unflatten(node.var_tree, var_inputs) if node.num_vars else {}
+    n = len(node.path)
+    for loc, sym in new_vars:
+      if tuple(loc[1:1 + n]) != node.path:
+        continue  # the variable lives outside this module's scope
+      tree = _insert(tree, (loc[0], *loc[1 + n:]), sym)
+    leaves, var_tree = jtu.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
+    return leaves, var_tree
+
+  def _grow_args(self, in_tree, arg_inputs, new_args):
+    if not new_args:
+      return arg_inputs, in_tree
+    args, kwargs = jtu.tree_unflatten(in_tree, arg_inputs)
+    args = tuple(args) + tuple(new_args)
+    leaves, tree = jtu.tree_flatten((args, kwargs),
+                                    is_leaf=lambda x: isinstance(x, Symbol))
+    return leaves, tree
+
+  def rebuild_equation(self, eqn: Equation) -> Equation:
+    inputs = [self.rename(s) for s in eqn.inputs]
+    if not eqn.children:
+      if inputs == eqn.inputs:
+        return eqn
+      return eqn.replace(inputs=inputs)
+    bodies = []
+    for body in eqn.children:
+      frame = _Frame(body, [], [], is_body=True)
+      self.stack.append(frame)
+      children = self.rebuild_children(body.children)
+      self.stack.pop()
+      if frame.new_vars or frame.new_args:
+        raise SubstitutionError(
+            f'the replacement inside the body of {_where(eqn)} needs new '
+            f'inputs ({len(frame.new_vars)} new variables, '
+            f'{len(frame.new_args)} extra arguments); inside lifted '
+            'transforms (nn.scan, nn.remat, nn.jit ...) a replacement must '
+            'read the same variables and arguments as the node it replaces')
+      outputs = [self.rename(s) for s in body.outputs]
+      bodies.append(body if all(a is b for a, b in zip(children, body.children))
+                    and outputs == body.outputs
+                    else body.replace(children=children, outputs=outputs))
+    if inputs == eqn.inputs and all(a is b for a, b in zip(bodies, eqn.children)):
+      return eqn
+    from yax._trace import body_to_param
+    params = dict(eqn.params)
+    for key, body in zip(eqn.body_keys, bodies):
+      if isinstance(key, tuple):
+        name, i = key
+        seq = list(params[name])
+        seq[i] = body_to_param(body, seq[i])
+        params[name] = type(params[name])(seq)
+      else:
+        params[key] = body_to_param(body, params[key])
+    return eqn.replace(inputs=inputs, children=bodies, params=params)
+
+  # -- one replacement
+
+  def replace(self, node: Expr) -> list[Expr]:
+    template = self.repl
+    if callable(template) and not isinstance(template, Expr):
+      template = template(getattr(node, 'path', ()), node)
+      if template is node:
+        if isinstance(node, Mox):
+          return [self.rebuild_module(node)]
+        return [self.rebuild_equation(node)]
+    if not isinstance(template, Expr):
+      raise SubstitutionError(
+          f'a replacement for {_where(node)} must be a Mox, an Equation or a '
+          f'callable returning one; found {type(template).__name__}')
+    consts = []
+    if isinstance(template, Mox) and template.is_ephemeral:
+      template, consts = _unwrap_traced_module(template)
+    if isinstance(node, Mox):
+      node_args = _dyn(self.rename(s) for s in node.arg_inputs)
+    else:
+      node_args = _dyn(self.rename(s) for s in node.inputs)
+    wiring: dict[Symbol, Symbol] = {}
+    extra_args: list[Var] = []
+    new_vars: list[tuple[Loc, Var]] = []
+    for const_var, value in consts:
+      fresh = Var(const_var.aval)
+      wiring[const_var] = fresh
+      self.new_consts.append((fresh, value))
+
+    is_module = isinstance(template, Mox) and not template.is_ephemeral
+    if is_module:
+      t_args = template.arg_inputs
+      name = template.name if template.name is not None else getattr(
+          node, 'name', None)
+      node_path = getattr(node, 'path', ())
+      if template.name is not None and node_path:
+        new_path = (*node_path[:-1], template.name)
+      else:
+        new_path = node_path
+      self._wire_variables(node, template, new_path, wiring, new_vars)
+    else:
+      t_args = template.inputs
+    for pos, sym in enumerate(_dyn(t_args)):
+      if pos < len(node_args):
+        target = node_args[pos]
+        if not _same_type(sym, target):
+          raise SubstitutionError(
+              f'cannot substitute {_where(node)}: input {pos} of the '
+              f'replacement has type {sym.type_str} but the node passes '
+              f'{target.type_str}')
+        wiring[sym] = target
+      else:
+        fresh = Var(sym.aval)
+        wiring[sym] = fresh
+        extra_args.append(fresh)
+
+    copied = _Copier(wiring, node).copy(template)
+    old_outs = [s for s in node.outputs if not (isinstance(s, Literal) and
+                                                 s.is_static)]
+    new_outs = [s for s in copied.outputs if not (isinstance(s, Literal) and
+                                                   s.is_static)]
+    if len(old_outs) != len(new_outs):
+      raise SubstitutionError(
+          f'cannot substitute {_where(node)}: it has {len(old_outs)} outputs '
+          f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
+          f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
+    for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
+      if not _same_type(old, new):
+        raise SubstitutionError(
+            f'cannot substitute {_where(node)}: output {pos} has type '
+            f'{old.type_str} but the replacement gives {new.type_str}')
+    # Only now, when nothing can fail any more, record what the copy needs.
+    for old, new in zip(old_outs, new_outs):
+      self.ren[old] = new
+    for loc, var in new_vars:
+      self.added[loc] = var
+    for frame in self.stack:
+      frame.new_vars.extend(new_vars)
+      frame.new_args.extend(extra_args)
+    if is_module:
+      params = dict(copied.params)
+      params['name'] = name
+      return [copied.replace(path=tuple(new_path), params=params)]
+    if isinstance(copied, Mox):  # an ephemeral function: splice its body
+      return list(copied.children)
+    return [copied]
+
+  def _wire_variables(self, node, template: Mox, new_path, wiring, new_vars):
+    own = {}
+    if isinstance(node, Mox) and tuple(new_path) == node.path:
+      for keys, sym in zip(_rel_keys(node), node.var_inputs):
+        own[keys] = self.rename(sym)
+    for keys, sym in zip(_rel_keys(template), template.var_inputs):
+      loc = (keys[0], *new_path, *keys[1:])
+      existing = own.get(keys)
+      if existing is None:
+        existing = self.locs.get(loc) or self.added.get(loc) or dict(
+            new_vars).get(loc)
+      if existing is not None:
+        if not _same_type(existing, sym):
+          raise SubstitutionError(
+              f"cannot substitute {_where(node)}: variable "
+              f"'{'/'.join(loc)}' exists with type {existing.type_str} but "
+              f'the replacement reads it as {sym.type_str}; give the '
+              'replacement module another name')
+        wiring[sym] = existing
+        continue
+      if any(f.is_body for f in self.stack):
+        raise SubstitutionError(
+            f"cannot substitute {_where(node)}: the replacement needs a new "
+            f"variable '{'/'.join(loc)}' inside a lifted transform body "
+            '(nn.scan, nn.remat ...), where variables cannot be added')
+      if keys[0] not in self.prefix:
+        raise SubstitutionError(
+            f"cannot substitute {_where(node)}: the replacement needs a new "
+            f"variable '{'/'.join(loc)}' but the traced arguments hold no "
+            f"'{keys[0]}' collection to put it in")
+      fresh = Var(sym.aval)
+      wiring[sym] = fresh
+      new_vars.append((loc, fresh))
+
+  # -- the root
+
+  def finish_root(self, children, frame: _Frame) -> Mox:
+    root = self.root
+    inputs = list(root.inputs)
+    in_tree = root.in_tree
+    if frame.new_vars or frame.new_args:
+      placeholders = jtu.tree_unflatten(in_tree, inputs)
+      seen = set()
+      for loc, sym in frame.new_vars:
+        if loc in seen:
+          continue
+        seen.add(loc)
+        prefix = self.prefix[loc[0]]
+        placeholders = _insert(placeholders, (*prefix, *loc[1:]), sym)
+      if frame.new_args:
+        args, kwargs = placeholders
+        placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
+      inputs, in_tree = jtu.tree_flatten(
+          placeholders, is_leaf=lambda x: isinstance(x, Symbol))
+    outputs = [self.rename(s) for s in root.outputs]
+    constvars = list(root.constvars) + [v for v, _ in self.new_consts]
+    consts = list(root.consts) + [c for _, c in self.new_consts]
+    return root.replace(inputs=inputs, outputs=outputs, children=children,
+                        in_tree=in_tree, constvars=constvars, consts=consts)
+
+
+def _unwrap_traced_module(root: Mox):
+  """``make_mox(m.apply)(v, x)`` -> its one module call; else the root."""
+  consts = list(zip(root.constvars, root.consts))
+  if len(root.children) == 1 and isinstance(root.children[0], Mox):
+    child = root.children[0]
+    if (not child.is_ephemeral and
+        set(_dyn(root.outputs)) == set(_dyn(child.outputs)) and
+        set(_dyn(child.inputs)) <= set(_dyn(root.inputs))):
+      return child, consts
+  return root, consts
+
+
+class _Copier:
+  """Copies a replacement with fresh symbols, wired through ``wiring``."""
+
+  def __init__(self, wiring: dict, node: Expr):
+    self.map = dict(wiring)
+    self.node = node
+
+  def read(self, sym: Symbol) -> Symbol:
+    if isinstance(sym, Literal):
+      return sym
+    try:
+      return self.map[sym]
+    except KeyError:
+      raise SubstitutionError(
+          f'cannot substitute {_where(self.node)}: the replacement reads a '
+          f'value of type {sym.type_str} that it neither computes nor takes '
+          'as an input (a closure over another trace); trace the '
+          'replacement as a function of all the values it reads') from None
+
+  def define(self, sym: Symbol) -> Symbol:
+    if isinstance(sym, Literal):
+      return sym
+    new = Var(sym.aval, dropped=sym.dropped)
+    self.map[sym] = new
+    return new
+
+  def copy(self, expr: Expr) -> Expr:
+    if isinstance(expr, Equation):
+      inputs = [self.read(s) for s in expr.inputs]
+      # Bodies of sub-jaxprs are closed: copy them with their own symbols.
+      bodies = [_Copier({}, self.node).copy_closed(b) for b in expr.children]
+      outputs = [self.define(s) for s in expr.outputs]
+      return expr.replace(inputs=inputs, outputs=outputs, children=bodies)
+    inputs = [self.read(s) for s in expr.inputs]
+    children = [self.copy(c) for c in expr.children]
+    outputs = [self.read(s) for s in expr.outputs]
+    return expr.replace(inputs=inputs, outputs=outputs, children=children)
+
+  def copy_closed(self, body: Mox) -> Mox:
+    for s in list(body.constvars) + list(body.inputs):
+      self.define(s)
+    return self.copy(body).replace(
+        constvars=[self.map[s] for s in body.constvars])
+
+
+def resolve_targets(selection, mox: Mox) -> list[Expr]:
+  """XPath string or node list -> the list of nodes to substitute."""
+  if isinstance(selection, str):
+    from yax._query import query
+    found = query(selection, mox)
+  elif isinstance(selection, Expr):
+    found = [selection]
+  else:
+    found = list(selection)
+  nodes = []
+  for item in found:
+    if not isinstance(item, Expr):
+      raise SubstitutionError(
+          f'sub selects module calls and equations, but the selection '
+          f'{selection!r} matched a {type(item).__name__} ({item!r}); end the '
+          'XPath at an element, e.g. //module_call[@type="Dense"]')
+    nodes.append(item)
+  return nodes
+
+
+def sub(selection, repl: Replacement, mox: Mox) -> Mox:
+  """Replaces nodes of ``mox`` and returns a new tree.
+
+  **Arguments:**
+  - ``selection``: an XPath expression (``'//*[@name="relu"]'``) or a list of
+    nodes of ``mox`` (e.g. from ``yax.query``).
+  - ``repl``: a module call (``Mox``), an ``Equation``, the ephemeral root of
+    ``make_mox(f)(x)`` for any function ``f`` (its body is spliced in place of
+    the node), or a callable ``(path, node) -> Expr`` (returning ``node``
+    keeps it).
+  - ``mox``: the tree. It is never modified, nor is ``repl``.
+
+  **Returns:** the new tree. Raises ``yax.SubstitutionError`` (and changes
+  nothing) when a replacement does not fit its node.
+
+  Example::
+
+      gelu = yax.make_mox(jax.nn.gelu)(jnp.zeros((1, 4)))
+      new = yax.sub('//*[@name="relu"]', gelu, mox)
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
+                            f'{type(mox).__name__}')
+  targets = resolve_targets(selection, mox)
+  return _Substitution(mox, targets, repl).run()
