@@ -229,26 +229,31 @@ class _Substitution:
         return eqn
       return eqn.replace(inputs=inputs)
     bodies = []
+    params = dict(eqn.params)
     for body in eqn.children:
       frame = _Frame(body, [], [], is_body=True)
       self.stack.append(frame)
       children = self.rebuild_children(body.children)
       self.stack.pop()
-      if frame.new_vars or frame.new_args:
+      if frame.new_args:
         raise SubstitutionError(
-            f'the replacement inside the body of {_where(eqn)} needs new '
-            f'inputs ({len(frame.new_vars)} new variables, '
-            f'{len(frame.new_args)} extra arguments); inside lifted '
-            'transforms (nn.scan, nn.remat, nn.jit ...) a replacement must '
-            'read the same variables and arguments as the node it replaces')
+            f'the replacement inside the body of {_where(eqn)} needs '
+            f'{len(frame.new_args)} extra arguments; inside lifted transforms '
+            '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
+            'arguments of the node it replaces')
       outputs = [self.rename(s) for s in body.outputs]
+      body_inputs = list(body.inputs)
+      if frame.new_vars:
+        inputs, body_inputs, params = self._thread_variables(
+            eqn, inputs, body_inputs, params, frame)
       bodies.append(body if all(a is b for a, b in zip(children, body.children))
-                    and outputs == body.outputs
-                    else body.replace(children=children, outputs=outputs))
+                    and outputs == body.outputs and body_inputs == body.inputs
+                    else body.replace(
+                        children=children, outputs=outputs, inputs=body_inputs,
+                        in_tree=jax.tree_util.tree_structure(list(body_inputs))))
     if inputs == eqn.inputs and all(a is b for a, b in zip(bodies, eqn.children)):
       return eqn
     from yax._trace import body_to_param
-    params = dict(eqn.params)
     for key, body in zip(eqn.body_keys, bodies):
       if isinstance(key, tuple):
         name, i = key
@@ -258,6 +263,77 @@ class _Substitution:
       else:
         params[key] = body_to_param(body, params[key])
     return eqn.replace(inputs=inputs, children=bodies, params=params)
+
+  def _thread_variables(self, eqn, inputs, body_inputs, params, frame):
+    """Passes variables created inside a body in from outside.
+
+    ``scan``: a variable whose siblings are scanned over (``variable_axes``
+    0, Flax's default for params) is added as a new scanned input of shape
+    ``[length, *shape]``; one whose siblings are loop constants is added as a
+    constant. ``checkpoint`` (``nn.remat``): a new input of the same shape.
+    The outer variables then propagate up like any new variable.
+    """
+    name = eqn.prim.name
+    seen = {}
+    for loc, inner in frame.new_vars:
+      seen.setdefault(loc, inner)
+    if name == 'scan':
+      num_consts, num_carry = params['num_consts'], params['num_carry']
+      length = params['length']
+      has_linear = 'linear' in params  # dropped from scan in newer JAX
+      linear = list(params.get('linear', [False] * len(inputs)))
+      new_consts, new_xs, outer_consts, outer_xs = [], [], [], []
+      for loc, inner in seen.items():
+        sibling = self._sibling_position(frame.node, body_inputs, loc)
+        if sibling is not None and sibling < num_consts:
+          new_consts.append(inner)
+          outer_consts.append((loc, Var(inner.aval)))
+        else:
+          aval = inner.aval.update(shape=(length, *inner.aval.shape))
+          new_xs.append(inner)
+          outer_xs.append((loc, Var(aval)))
+      body_inputs = (body_inputs[:num_consts] + new_consts +
+                     body_inputs[num_consts:] + new_xs)
+      inputs = (inputs[:num_consts] + [v for _, v in outer_consts] +
+                inputs[num_consts:] + [v for _, v in outer_xs])
+      linear = (linear[:num_consts] + [False] * len(new_consts) +
+                linear[num_consts:] + [False] * len(new_xs))
+      params['num_consts'] = num_consts + len(new_consts)
+      if has_linear:
+        params['linear'] = tuple(linear)
+      outer = outer_consts + outer_xs
+    elif name in ('checkpoint', 'remat2', 'remat'):
+      outer = [(loc, Var(inner.aval)) for loc, inner in seen.items()]
+      body_inputs = body_inputs + list(seen.values())
+      inputs = inputs + [v for _, v in outer]
+    else:
+      raise SubstitutionError(
+          f"cannot add variables ({', '.join('/'.join(l) for l in seen)}) "
+          f'inside the body of {_where(eqn)}: only scan (nn.scan) and '
+          'checkpoint (nn.remat) bodies can take new variables')
+    for f in reversed(self.stack):
+      f.new_vars.extend(outer)
+      if f.is_body:
+        break
+    for loc, var in outer:
+      if not any(f.is_body for f in self.stack):
+        self.added[loc] = var
+    return inputs, body_inputs, params
+
+  def _sibling_position(self, body: Mox, body_inputs, loc) -> int | None:
+    """Position among the body inputs of a variable in the same module."""
+    module_path = tuple(loc[1:-1])
+    for node in body.children:
+      stack = [node]
+      while stack:
+        n = stack.pop()
+        if isinstance(n, Mox):
+          stack.extend(n.children)
+          if n.path == module_path:
+            for sym in n.var_inputs:
+              if sym in body_inputs:
+                return body_inputs.index(sym)
+    return None
 
   # -- one replacement
 
@@ -333,11 +409,14 @@ class _Substitution:
     # Only now, when nothing can fail any more, record what the copy needs.
     for old, new in zip(old_outs, new_outs):
       self.ren[old] = new
-    for loc, var in new_vars:
-      self.added[loc] = var
-    for frame in self.stack:
+    if not any(f.is_body for f in self.stack):
+      for loc, var in new_vars:
+        self.added[loc] = var
+    for frame in reversed(self.stack):
       frame.new_vars.extend(new_vars)
       frame.new_args.extend(extra_args)
+      if frame.is_body:  # the equation holding the body threads them out
+        break
     if is_module:
       params = dict(copied.params)
       params['name'] = name
@@ -354,7 +433,10 @@ class _Substitution:
     for keys, sym in zip(_rel_keys(template), template.var_inputs):
       loc = (keys[0], *new_path, *keys[1:])
       existing = own.get(keys)
-      if existing is None:
+      body = next((f for f in reversed(self.stack) if f.is_body), None)
+      if existing is None and body is not None:
+        existing = dict(body.new_vars).get(loc) or dict(new_vars).get(loc)
+      elif existing is None:
         existing = self.locs.get(loc) or self.added.get(loc) or dict(
             new_vars).get(loc)
       if existing is not None:
@@ -366,11 +448,6 @@ class _Substitution:
               'replacement module another name')
         wiring[sym] = existing
         continue
-      if any(f.is_body for f in self.stack):
-        raise SubstitutionError(
-            f"cannot substitute {_where(node)}: the replacement needs a new "
-            f"variable '{'/'.join(loc)}' inside a lifted transform body "
-            '(nn.scan, nn.remat ...), where variables cannot be added')
       if keys[0] not in self.prefix:
         raise SubstitutionError(
             f"cannot substitute {_where(node)}: the replacement needs a new "
