@@ -5,6 +5,8 @@
 >>> yax.query('//module_call[@type="Dense"]', mox)      # doctest: +SKIP
 """
 
+from yax._check import InvariantError as InvariantError
+from yax._check import check_mox as check_mox
 from yax._errors import SignatureError as SignatureError
 from yax._errors import SubstitutionError as SubstitutionError
 from yax._errors import TraceError as TraceError
@@ -20,6 +22,11 @@ from yax._ir import Mox as Mox
 from yax._ir import Symbol as Symbol
 from yax._ir import Var as Var
 from yax._ir import map_mox as map_mox
+from yax._query import query as query
+from yax._serialize import dump_xml as dump_xml
+from yax._serialize import dump_yson as dump_yson
+from yax._serialize import to_dict as to_dict
+from yax._serialize import to_json as to_json
 from yax._lora import LoraResult as LoraResult
 from yax._lora import lora as lora
 from yax._sub import sub as sub

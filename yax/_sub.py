@@ -161,8 +161,11 @@ class _Substitution:
 
   def run(self) -> Mox:
     if id(self.root) in self.targets:
-      raise SubstitutionError('the root of a tree cannot be substituted; '
-                              'trace the replacement function instead')
+      keeps = (callable(self.repl) and not isinstance(self.repl, Expr)
+               and self.repl(self.root.path, self.root) is self.root)
+      if not keeps:
+          raise SubstitutionError('the root of a tree cannot be substituted; '
+                                'trace the replacement function instead')
     frame = _Frame(self.root, [], [])
     self.stack.append(frame)
     children = self.rebuild_children(self.root.children)
