@@ -15,7 +15,8 @@ import numpy as np
 from jax.extend import core as jex
 
 from yax._errors import SignatureError
-from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, leaf_equations
+from yax._ir import (Equation, Expr, JaxDropVar, Literal, Mox, Symbol, Var,
+                     leaf_equations, new_jaxpr_eqn)
 
 
 # ------------------------------------------------------------- to_jaxpr
@@ -31,13 +32,13 @@ class _JaxVars:
       return jex.Literal(sym.value, sym.aval)
     var = self.env.get(sym)
     if var is None:
-      var = jex.DropVar(sym.aval) if sym.dropped else jex.Var(sym.aval)
+      var = JaxDropVar(sym.aval) if sym.dropped else jex.Var(sym.aval)
       self.env[sym] = var
     return var
 
 
 def jax_equation(eqn: Equation, jv: _JaxVars):
-  return jex.new_jaxpr_eqn(
+  return new_jaxpr_eqn(
       [jv(s) for s in eqn.inputs], [jv(s) for s in eqn.outputs], eqn.prim,
       eqn.params, eqn.effects, eqn.source_info, eqn.ctx)
 

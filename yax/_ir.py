@@ -21,6 +21,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.extend import core as jex
+
+# Version shim (public APIs only). ``jax.extend.core`` exports ``DropVar`` and
+# ``new_jaxpr_eqn`` from jax 0.8.1 on; jax 0.8.0 (the oldest supported
+# release) has them only as ``jax.core.DropVar`` / ``jax.core.new_jaxpr_eqn``,
+# which later releases deprecate. Prefer the ``jax.extend`` names.
+JaxDropVar = getattr(jex, 'DropVar', None) or jax.core.DropVar
+new_jaxpr_eqn = getattr(jex, 'new_jaxpr_eqn', None) or jax.core.new_jaxpr_eqn
 
 
 class Symbol:
@@ -152,7 +160,8 @@ class Equation(Expr):
       jaxpr = getattr(value, 'jaxpr', value)
       info = getattr(jaxpr, 'debug_info', None)
       src = getattr(info, 'func_src_info', None)
-      if isinstance(src, str) and src:
+      # Skip JAX's placeholder for a Jaxpr built without debug info.
+      if isinstance(src, str) and src and src != '<missing_debug_info>':
         return src.split(' ')[0]
     return None
 

@@ -17,6 +17,7 @@ to ``kernel`` in the params tree).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -63,12 +64,22 @@ def _kernel(node: Mox) -> Symbol | None:
 
 def _adapter_body(x_aval, y_aval, a_shape, b_shape, dtype, scale):
   """Traces ``y + scale * (x A) B`` once per distinct shape."""
+  return _traced_adapter(tuple(x_aval.shape), x_aval.dtype,
+                         tuple(y_aval.shape), y_aval.dtype, tuple(a_shape),
+                         tuple(b_shape), dtype, scale)
+
+
+# The traced adapter is only read (its symbols are re-wired per node), so one
+# trace serves every node of the same shapes: BERT-base's 73 Dense layers need
+# 3 traces instead of 73.
+@functools.lru_cache(maxsize=256)
+def _traced_adapter(x_shape, x_dtype, y_shape, y_dtype, a_shape, b_shape,
+                    dtype, scale):
   def adapter(y, x, a, b):
     delta = (x.astype(dtype) @ a) @ b
     return y + (scale * delta).astype(y.dtype)
   spec = jax.ShapeDtypeStruct
-  return make_mox(adapter)(spec(y_aval.shape, y_aval.dtype),
-                           spec(x_aval.shape, x_aval.dtype),
+  return make_mox(adapter)(spec(y_shape, y_dtype), spec(x_shape, x_dtype),
                            spec(a_shape, dtype), spec(b_shape, dtype))
 
 

@@ -15,7 +15,7 @@ from jax.extend import core as jex
 from yax import _compat
 from yax._eval import _JaxVars, dynamic, jax_equation
 from yax._format import format_value
-from yax._ir import Equation, Expr, Mox
+from yax._ir import Equation, Expr, Mox, new_jaxpr_eqn
 
 module_call_p = jex.Primitive('module_call')
 module_call_p.multiple_results = True
@@ -92,7 +92,7 @@ class _Display:
     body = jex.Jaxpr([], [v for v in invars if isinstance(v, jex.Var)],
                      outvars, self.eqns(mox.children))
     binders = [v for v in outvars if isinstance(v, jex.Var)]
-    return jex.new_jaxpr_eqn(invars, binders, module_call_p,
+    return new_jaxpr_eqn(invars, binders, module_call_p,
                              {'mox': mox, 'body': _Body(body)}, frozenset())
 
   def equation(self, eqn: Equation):
@@ -114,7 +114,9 @@ class _Display:
   def closed(self, mox: Mox) -> jex.ClosedJaxpr:
     jv = self.jv
     constvars = [jv(s) for s in mox.constvars]
-    invars = [jv(s) for s in dynamic(mox.inputs)]
+    # Array literals are not binders (they occur when a single equation or
+    # module call with a literal operand is printed on its own).
+    invars = [v for v in map(jv, dynamic(mox.inputs)) if isinstance(v, jex.Var)]
     eqns = self.eqns(mox.children)
     outvars = [jv(s) for s in dynamic(mox.outputs)]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()

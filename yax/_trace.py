@@ -29,7 +29,7 @@ from jax.extend import core as jex
 
 from yax import _markers
 from yax._errors import TraceError
-from yax._ir import EMPTY_TREE, Equation, Literal, Mox, Symbol, Var
+from yax._ir import EMPTY_TREE, Equation, JaxDropVar, Literal, Mox, Symbol, Var
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -249,7 +249,7 @@ class _Builder:
     self.env: dict[Any, Symbol] = {}
 
   def bind(self, v) -> Var:
-    sym = Var(v.aval, dropped=isinstance(v, jex.DropVar))
+    sym = Var(v.aval, dropped=isinstance(v, JaxDropVar))
     self.env[v] = sym
     return sym
 
@@ -350,6 +350,13 @@ def body_to_param(body: Mox, like):
   """Converts a body back to the parameter form it came in (marker-free)."""
   from yax._eval import to_jaxpr
   closed = to_jaxpr(body)
+  # Keep the original debug info (function name, argument names): markers
+  # change neither the inputs nor the outputs, so it still describes the body,
+  # and JAX (and ``Equation.name``) show ``scan`` bodies by that name.
+  info = getattr(getattr(like, 'jaxpr', like), 'debug_info', None)
+  if info is not None:
+    closed = jex.ClosedJaxpr(closed.jaxpr.replace(debug_info=info),
+                             closed.consts)
   if isinstance(like, jex.ClosedJaxpr):
     return closed
   return closed.jaxpr

@@ -1,0 +1,70 @@
+"""Shared test helpers: tree comparison and tree walking."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import yax
+from yax._ir import iter_nodes
+
+
+def assert_trees_close(a, b, *, rtol=1e-5, atol=1e-5):
+  """Same pytree structure and leaves equal to float tolerance."""
+  ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+  assert ta == tb, f'tree structures differ:\n  {ta}\n  {tb}'
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    assert x.dtype == y.dtype, (x.dtype, y.dtype)
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def modules(mox, type_name=None):
+  """Module calls (non-ephemeral ``Mox`` nodes) anywhere in the tree,
+  including bodies of lifted transforms (``Equation.children``)."""
+  return [n for n in iter_nodes(mox) if isinstance(n, yax.Mox)
+          and not n.is_ephemeral
+          and (type_name is None or n.type_name == type_name)]
+
+
+def equations(mox, *, prim=None, name=None):
+  """Equations anywhere in the tree, by primitive name and/or display name."""
+  return [n for n in iter_nodes(mox) if isinstance(n, yax.Equation)
+          and (prim is None or n.prim.name == prim)
+          and (name is None or n.name == name)]
+
+
+def flops(compiled) -> float:
+  """FLOPs from ``cost_analysis()``: a dict, or a list of dicts on some
+  versions."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get('flops', 0.0))
+
+
+def is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+def jit_call(fn, *args, **kwargs):
+  """Calls ``jax.jit(fn)`` with array leaves as traced arguments and every
+  other leaf (bools, strings, ``None``) closed over as a static value."""
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  dyn = [i for i, x in enumerate(leaves) if is_array(x)]
+
+  def flat(*vals):
+    full = list(leaves)
+    for i, v in zip(dyn, vals):
+      full[i] = v
+    a, k = jax.tree_util.tree_unflatten(tree, full)
+    return fn(*a, **k)
+
+  return jax.jit(flat)(*[leaves[i] for i in dyn])
+
+
+def jit_eval(mox):
+  """``jax.jit`` of ``eval_mox`` for this tree (non-array leaves static)."""
+  return lambda *a, **k: jit_call(
+      lambda *a, **k: yax.eval_mox(mox, *a, **k), *a, **k)

@@ -1,0 +1,89 @@
+"""The scripts in examples/ run end to end (``--small``) and report success.
+
+Each example checks itself against plain JAX/Flax or Hugging Face and prints
+the result; these tests run them as a user would (a subprocess) and read
+those lines.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / 'examples'
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+def run_example(name: str, *args: str, timeout: int = 600) -> str:
+  env = dict(os.environ, USE_TORCH='0', USE_FLAX='1', TF_CPP_MIN_LOG_LEVEL='3')
+  env['PYTHONPATH'] = os.pathsep.join(
+      p for p in [str(ROOT), env.get('PYTHONPATH')] if p)
+  proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=env, cwd=ROOT)
+  assert proc.returncode == 0, (
+      f'{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout}'
+      f'\n--- stderr\n{proc.stderr[-4000:]}')
+  return proc.stdout
+
+
+def find(pattern: str, text: str) -> re.Match:
+  m = re.search(pattern, text)
+  assert m, f'no line matching {pattern!r} in:\n{text}'
+  return m
+
+
+def test_lora_finetune_small(tmp_path):
+  for module in ('optax', 'sklearn', 'matplotlib', 'tqdm'):
+    pytest.importorskip(module)
+  png = tmp_path / 'curve.png'
+  out = run_example('lora_finetune.py', '--small', '--out', str(png))
+
+  m = find(r'trainable parameters: ([\d,]+) of ([\d,]+)', out)
+  trainable, total = (int(g.replace(',', '')) for g in m.groups())
+  assert 0 < trainable < total / 5
+
+  m = find(r'accuracy on 5-9: before ([\d.]+) -> after ([\d.]+)', out)
+  before, after = map(float, m.groups())
+  assert before < 0.1  # the pretrained head never predicts 5-9
+  assert after > 0.85 and after > before + 0.5
+
+  find(r'LoRA model at init equals the original: max \|logit diff\| = '
+       r'0\.00e\+00', out)
+  find(r'frozen weights bit-identical after training: True', out)
+  find(r'every adapter weight changed: True', out)
+  m = find(r'merged params on the original mox give the same predictions: '
+           r'True \(max \|logit diff\| = ([\d.e+-]+)\)', out)
+  assert float(m.group(1)) < 1e-4
+
+  assert f'loss curve saved to {png}' in out
+  data = png.read_bytes()
+  assert data.startswith(PNG_MAGIC)
+  from PIL import Image  # matplotlib depends on Pillow
+  with Image.open(png) as image:
+    image.verify()
+  with Image.open(png) as image:
+    assert image.format == 'PNG' and min(image.size) > 100
+
+
+def test_relu_to_gelu_small():
+  pytest.importorskip('transformers')
+  out = run_example('relu_to_gelu.py', '--small')
+  for model in ('ResNet', 'BERT'):
+    m = find(rf'{model}: replaced (\d+) ReLU with GELU \((\d+) left\)', out)
+    replaced, left = map(int, m.groups())
+    assert replaced > 0 and left == 0
+    m = find(rf'{model}: max abs difference vs HF with GELU: ([\d.e+-]+) '
+             r'\(vs the original ReLU model: ([\d.e+-]+)\)', out)
+    diff, moved = map(float, m.groups())
+    assert diff < 1e-5  # the rewrite matches HF's own GELU model
+    assert moved > 1e-3  # ... and it did change the model
+  # ResNet's ReLUs see several shapes: one traced GELU per shape.
+  m = find(r'ResNet: .*, (\d+) input shape\(s\)', out)
+  assert int(m.group(1)) > 1

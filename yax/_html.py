@@ -1,0 +1,643 @@
+"""A self-contained, interactive HTML viewer of a module expression.
+
+``render_html(mox)`` returns one HTML page with everything inline (no
+network, no external scripts or styles):
+
+* a collapsible tree of module calls (and, on request, their equations) that
+  shows type, name, path, output shapes and parameter counts; children are
+  rendered only when a node is expanded, so BERT-size trees stay responsive;
+* a details panel for the selected node: its XML attributes, inputs and
+  outputs, parameter count, matmul FLOPs and Jaxpr text (``str(node)``);
+* a search box that evaluates XPath 1.0 in the browser
+  (``document.evaluate``) over the embedded XML view (the output of
+  :func:`yax.dump_xml`), highlights the matches and shows their count.
+
+The data (XML, Jaxpr texts, parameter and FLOP counts) is one JSON payload,
+gzip-compressed and base64-encoded by default (Jaxpr texts repeat a lot: the
+texts of BERT-base shrink from 2 MB to 0.2 MB) and decompressed in the
+browser with ``DecompressionStream``; ``compress=False`` embeds plain JSON.
+
+Tree nodes are numbered in XML document order, counting every element except
+``input``/``output``: node ``k`` of the payload is the ``k``-th such element,
+which is how XPath results in the browser map back to tree nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import io
+import json
+
+from yax import _summary
+from yax._ir import Equation, Expr, Mox
+
+_SYMBOL_TAGS = ('input', 'output')
+
+
+def _nodes(mox: Expr) -> list[Expr]:
+  """Tree nodes in XML document order (``input``/``output`` skipped)."""
+  from yax._serialize import xml_view
+  view = xml_view(mox)
+  out = []
+  for el in view.root.iter():
+    if el.tag in _SYMBOL_TAGS:
+      continue
+    obj = view.objects.get(el)
+    out.append(mox if obj is None else obj)
+  return out
+
+
+def payload(mox: Expr, *, title: str = 'yax') -> dict:
+  """The data the page embeds (see the module docstring)."""
+  import yax
+  buf = io.StringIO()
+  yax.dump_xml(mox, buf, indent=None)
+  nodes = _nodes(mox)
+  params, flops, texts = [], [], []
+  for i, node in enumerate(nodes):
+    if isinstance(node, Mox):
+      if i == 0 or node.is_ephemeral:
+        count = _summary.total_params(node)[0]
+      else:
+        count = _summary.param_count(node)
+    else:
+      count = 0
+    params.append(count)
+    flops.append(_summary.flops(node))
+    texts.append(str(node))
+  n_params, n_bytes = _summary.total_params(mox)
+  return {
+      'format': 1,
+      'title': title,
+      'version': yax.__version__,
+      'xml': buf.getvalue(),
+      'texts': texts,
+      'params': params,
+      'flops': flops,
+      'totals': {
+          'params': n_params,
+          'param_bytes': n_bytes,
+          'module_calls': sum(1 for _ in _summary.module_calls(mox)),
+          'equations': sum(1 for n in nodes if isinstance(n, Equation)),
+      },
+  }
+
+
+def _script_json(data) -> str:
+  """JSON safe inside a <script> element."""
+  text = json.dumps(data, separators=(',', ':'))
+  return text.replace('</', '<\\/').replace('<!--', '<\\!--')
+
+
+def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
+  """Returns the viewer page for ``mox`` as a string (see the module doc).
+
+  **Arguments:**
+  - ``mox``: the tree (what :func:`yax.make_mox` returns).
+  - ``title``: page title, e.g. the model's name.
+  - ``compress``: gzip + base64 the embedded data (needs a browser with
+    ``DecompressionStream``: Chrome 80, Firefox 113, Safari 16.4 or newer);
+    ``False`` embeds plain JSON.
+  """
+  data = payload(mox, title=title)
+  if compress:
+    raw = json.dumps(data, separators=(',', ':')).encode()
+    blob = base64.b64encode(gzip.compress(raw, 9, mtime=0)).decode('ascii')
+    data_tag = ('<script id="yax-data" type="application/octet-stream" '
+                f'data-encoding="gzip+base64">{blob}</script>')
+  else:
+    data_tag = ('<script id="yax-data" type="application/json" '
+                f'data-encoding="json">{_script_json(data)}</script>')
+  return (_TEMPLATE.replace('@@TITLE@@', html.escape(title))
+          .replace('@@CSS@@', _CSS).replace('@@JS@@', _JS)
+          .replace('@@DATA@@', data_tag))
+
+
+def write_html(mox: Expr, path, **kwargs) -> int:
+  """Writes :func:`render_html` to ``path``; returns the size in bytes."""
+  text = render_html(mox, **kwargs)
+  data = text.encode('utf-8')
+  with open(path, 'wb') as f:
+    f.write(data)
+  return len(data)
+
+
+_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="generator" content="yax">
+<title>@@TITLE@@ &middot; yax</title>
+<style>@@CSS@@</style>
+</head>
+<body>
+<header>
+  <span class="brand">yax</span>
+  <span id="title" class="title">@@TITLE@@</span>
+  <form id="search-form" autocomplete="off">
+    <input id="search" type="search" spellcheck="false"
+      placeholder='XPath, e.g. //module_call[@type="Dense"]'
+      aria-label="XPath query">
+    <button type="button" id="prev" title="Previous match (Shift+Enter)">&#x2191;</button>
+    <button type="button" id="next" title="Next match (Enter)">&#x2193;</button>
+  </form>
+  <span id="count" class="count" aria-live="polite"></span>
+  <label class="toggle"><input type="checkbox" id="show-eqns"> equations</label>
+  <button type="button" id="collapse" title="Collapse all">collapse</button>
+</header>
+<main>
+  <section id="tree-pane" aria-label="Module tree"><ul id="tree" role="tree"></ul></section>
+  <section id="side">
+    <div id="results" hidden></div>
+    <div id="details"><p class="hint">Loading&hellip;</p></div>
+  </section>
+</main>
+<footer id="status"></footer>
+@@DATA@@
+<script>@@JS@@</script>
+</body>
+</html>
+"""
+
+_CSS = r"""
+:root {
+  --bg: #fbfbfa; --fg: #1f2328; --dim: #6e7781; --line: #d8dee4;
+  --panel: #ffffff; --accent: #0b5cad; --type: #0b5cad; --prim: #6e7781;
+  --shape: #1a7f37; --params: #9a6700; --hit: #fff1a8; --hit-line: #d4a72c;
+  --sel: #dbeafe; --bad: #cf222e;
+  --mono: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --bg: #0d1117; --fg: #e6edf3; --dim: #8b949e; --line: #30363d;
+    --panel: #161b22; --accent: #58a6ff; --type: #79c0ff; --prim: #8b949e;
+    --shape: #7ee787; --params: #e3b341; --hit: #4d3d00; --hit-line: #bb8009;
+    --sel: #1f3b5c; --bad: #ff7b72;
+  }
+}
+* { box-sizing: border-box; }
+html, body { height: 100%; margin: 0; }
+body { display: flex; flex-direction: column; background: var(--bg); color: var(--fg);
+  font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; }
+header { display: flex; align-items: center; gap: 10px; padding: 8px 12px;
+  border-bottom: 1px solid var(--line); background: var(--panel); flex-wrap: wrap; }
+.brand { font-weight: 700; color: var(--accent); font-family: var(--mono); }
+.title { font-family: var(--mono); color: var(--dim); max-width: 28ch; overflow: hidden;
+  text-overflow: ellipsis; white-space: nowrap; }
+form { display: flex; gap: 4px; flex: 1 1 360px; }
+#search { flex: 1; font: 13px var(--mono); padding: 5px 8px; border: 1px solid var(--line);
+  border-radius: 6px; background: var(--bg); color: var(--fg); }
+#search.bad { border-color: var(--bad); }
+button { font: 12px system-ui, sans-serif; padding: 4px 8px; border: 1px solid var(--line);
+  border-radius: 6px; background: var(--bg); color: var(--fg); cursor: pointer; }
+button:hover { border-color: var(--accent); }
+.count { font-family: var(--mono); font-size: 13px; min-width: 12ch; }
+.count.bad { color: var(--bad); }
+.toggle { font-size: 13px; color: var(--dim); user-select: none; }
+main { flex: 1; display: grid; grid-template-columns: minmax(320px, 46%) 1fr; min-height: 0; }
+#tree-pane { overflow: auto; border-right: 1px solid var(--line); padding: 6px 0; }
+#side { overflow: hidden; display: flex; flex-direction: column; min-width: 0; min-height: 0; }
+ul { list-style: none; margin: 0; padding: 0; }
+ul ul { padding-left: 16px; border-left: 1px dotted var(--line); margin-left: 11px; }
+.row { display: flex; align-items: baseline; gap: 8px; padding: 1px 8px; cursor: pointer;
+  white-space: nowrap; font: 13px/1.55 var(--mono); }
+.row:hover { background: color-mix(in srgb, var(--sel) 50%, transparent); }
+.row.sel { background: var(--sel); }
+.row.hit { background: var(--hit); box-shadow: inset 3px 0 var(--hit-line); }
+.row.sel.hit { background: linear-gradient(90deg, var(--hit), var(--sel)); }
+.tw { width: 1em; color: var(--dim); flex: none; text-align: center; }
+.ty { color: var(--type); font-weight: 600; }
+.eq .ty { color: var(--prim); font-weight: 400; }
+.nm { color: var(--fg); }
+.sh { color: var(--shape); }
+.pc { color: var(--params); }
+.dim { color: var(--dim); }
+.badge { font: 11px system-ui, sans-serif; background: var(--hit-line); color: #000;
+  border-radius: 8px; padding: 0 6px; }
+#results { flex: 0 0 auto; border-bottom: 1px solid var(--line); max-height: 34%; overflow: auto;
+  padding: 6px 12px; }
+#results .item { font: 12px/1.6 var(--mono); cursor: pointer; white-space: nowrap;
+  overflow: hidden; text-overflow: ellipsis; }
+#results .item:hover { color: var(--accent); }
+#details { flex: 1 1 auto; overflow: auto; min-height: 0; padding: 10px 14px; }
+#details h2 { font: 600 16px var(--mono); margin: 0 0 2px; }
+#details h3 { font: 600 12px system-ui, sans-serif; text-transform: uppercase; letter-spacing: .04em;
+  color: var(--dim); margin: 14px 0 4px; }
+table.kv { border-collapse: collapse; font: 12px/1.5 var(--mono); width: 100%; }
+table.kv td { border-top: 1px solid var(--line); padding: 2px 8px 2px 0; vertical-align: top; }
+table.kv td:first-child { color: var(--dim); white-space: nowrap; width: 1%; }
+table.kv td:last-child { white-space: pre-wrap; word-break: break-word; }
+pre.jaxpr { font: 12px/1.45 var(--mono); background: var(--panel); border: 1px solid var(--line);
+  border-radius: 6px; padding: 8px 10px; overflow: auto; max-height: 70vh; margin: 0; }
+.hint { color: var(--dim); }
+.error { color: var(--bad); font-family: var(--mono); white-space: pre-wrap; }
+footer { border-top: 1px solid var(--line); padding: 3px 12px; font-size: 12px; color: var(--dim);
+  background: var(--panel); }
+"""
+
+_JS = r"""
+'use strict';
+(() => {
+const $ = (id) => document.getElementById(id);
+const SYMBOL = new Set(['input', 'output']);
+const MAX_LIST = 500;
+const fmt = (n) => Number(n).toLocaleString('en-US');
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined && text !== null) e.textContent = text;
+  return e;
+}
+
+async function loadPayload() {
+  const node = $('yax-data');
+  const enc = node.dataset.encoding;
+  if (enc === 'json') return JSON.parse(node.textContent);
+  if (typeof DecompressionStream === 'undefined')
+    throw new Error('this browser cannot decompress the embedded data ' +
+                    '(no DecompressionStream); write the page with --no-compress');
+  const bin = atob(node.textContent.trim());
+  const bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+  return JSON.parse(await new Response(stream).text());
+}
+
+let D, xml, els, ids, parentOf;
+const expanded = new Set();
+const rows = new Map();
+let selected = -1;
+let hits = new Set(), hitList = [], hitIndex = -1, inside = new Map(), lastQuery = null;
+
+const isMox = (i) => els[i].tagName === 'module_call';
+
+function childIds(i) {
+  const out = [];
+  for (const c of els[i].children) if (!SYMBOL.has(c.tagName)) out.push(ids.get(c));
+  return out;
+}
+
+function visibleChildren(i) {
+  const showEqns = $('show-eqns').checked;
+  const out = [];
+  for (const c of childIds(i)) {
+    if (isMox(c) || showEqns) out.push(c);
+    else out.push(...visibleChildren(c));  // module calls inside scan/remat bodies
+  }
+  return out;
+}
+
+function outTypes(i) {
+  const out = [];
+  for (const c of els[i].children) if (c.tagName === 'output') out.push(c.getAttribute('type'));
+  return out;
+}
+
+function label(i) {
+  // {ty: type or primitive, nm: short name, path: full path (module calls)}
+  const e = els[i];
+  if (isMox(i)) {
+    if (i === 0) return {ty: e.getAttribute('type') || 'fn', nm: '(root)', path: ''};
+    const ty = e.getAttribute('type') || 'ephemeral';
+    const meth = e.getAttribute('method');
+    const path = e.getAttribute('path') || '';
+    const nm = e.getAttribute('name') || path.split('/').pop() ||
+      (e.hasAttribute('param') ? 'body ' + e.getAttribute('param') : '(top)');
+    return {ty: meth && meth !== '__call__' ? ty + '.' + meth : ty, nm, path};
+  }
+  const name = e.getAttribute('name');
+  return {ty: e.tagName, nm: name ? 'name=' + name : '', path: ''};
+}
+
+function shapes(list, max) {
+  if (list.length > max) return list.slice(0, max).join(' ') + ' \u2026+' + (list.length - max);
+  return list.join(' ');
+}
+
+function makeRow(i) {
+  const li = el('li');
+  li.setAttribute('role', 'treeitem');
+  li.dataset.id = i;
+  const r = el('div', 'row' + (isMox(i) ? '' : ' eq'));
+  const kids = visibleChildren(i).length;
+  r.append(el('span', 'tw', kids ? (expanded.has(i) ? '\u25be' : '\u25b8') : ''));
+  const lb = label(i);
+  r.append(el('span', 'ty', lb.ty));
+  if (lb.nm) r.append(el('span', 'nm', lb.nm));
+  const outs = outTypes(i);
+  if (outs.length) r.append(el('span', 'sh', '\u2192 ' + shapes(outs, 3)));
+  if (D.params[i]) r.append(el('span', 'pc', fmt(D.params[i]) + ' params'));
+  if (lb.path && lb.path !== lb.nm) r.append(el('span', 'dim', lb.path));
+  if (lb.path) r.title = lb.path;
+  if (hits.has(i)) r.classList.add('hit');
+  if (i === selected) r.classList.add('sel');
+  if (inside.get(i) && !expanded.has(i)) r.append(el('span', 'badge', fmt(inside.get(i))));
+  li.append(r);
+  rows.set(i, li);
+  if (expanded.has(i) && kids) li.append(makeList(visibleChildren(i)));
+  return li;
+}
+
+function makeList(list) {
+  const ul = el('ul');
+  ul.setAttribute('role', 'group');
+  for (const c of list) ul.append(makeRow(c));
+  return ul;
+}
+
+function forget(li) {
+  for (const d of li.querySelectorAll('li')) rows.delete(Number(d.dataset.id));
+}
+
+function refreshRow(i) {
+  const old = rows.get(i);
+  if (!old) return;
+  forget(old);
+  old.replaceWith(makeRow(i));
+}
+
+function setExpanded(i, on) {
+  if (on) expanded.add(i); else expanded.delete(i);
+  refreshRow(i);
+}
+
+function renderTree() {
+  rows.clear();
+  const tree = $('tree');
+  tree.replaceChildren(makeRow(0));
+}
+
+function ancestors(i) {
+  const out = [];
+  for (let p = parentOf[i]; p >= 0; p = parentOf[p]) out.push(p);
+  return out.reverse();
+}
+
+function reveal(i) {
+  if (!isMox(i) && !$('show-eqns').checked) {
+    $('show-eqns').checked = true;
+    renderTree();
+  }
+  for (const a of ancestors(i)) {
+    if (!expanded.has(a)) setExpanded(a, true);
+  }
+  select(i);
+  const li = rows.get(i);
+  if (li) li.firstChild.scrollIntoView({block: 'center'});
+}
+
+function select(i) {
+  const prev = rows.get(selected);
+  if (prev) prev.firstChild.classList.remove('sel');
+  selected = i;
+  const li = rows.get(i);
+  if (li) li.firstChild.classList.add('sel');
+  showDetails(i);
+}
+
+function kvTable(pairs) {
+  const t = el('table', 'kv');
+  for (const [k, v] of pairs) {
+    const tr = el('tr');
+    tr.append(el('td', null, k), el('td', null, v));
+    t.append(tr);
+  }
+  return t;
+}
+
+function symbolPairs(i, tag) {
+  const out = [];
+  for (const c of els[i].children) {
+    if (c.tagName !== tag) continue;
+    let v = c.getAttribute('type');
+    if (c.getAttribute('var')) v += '   ' + c.getAttribute('var');
+    if (c.getAttribute('literal') === 'true') v += '   literal';
+    out.push([c.textContent, v]);
+  }
+  return out;
+}
+
+function xpathOf(i) {
+  const e = els[i];
+  if (i === 0) return '/module_call';
+  if (isMox(i) && e.getAttribute('path')) {
+    const same = D.pathCount.get(e.getAttribute('path')) || 0;
+    const base = '//module_call[@path="' + e.getAttribute('path') + '"]';
+    if (same <= 1) return base;
+    return base + '[@method="' + e.getAttribute('method') + '"]';
+  }
+  return null;
+}
+
+function showDetails(i) {
+  const box = $('details');
+  box.replaceChildren();
+  const e = els[i];
+  const lb = label(i);
+  const h = el('h2');
+  h.append(el('span', isMox(i) ? 'ty' : 'dim', lb.ty), ' ', el('span', 'nm', lb.path || lb.nm));
+  box.append(h);
+  const facts = [];
+  if (D.params[i]) facts.push(fmt(D.params[i]) + ' params');
+  if (D.flops[i]) facts.push(fmt(D.flops[i]) + ' FLOPs (dot/conv)');
+  facts.push(isMox(i) ? 'module_call' : 'equation');
+  const xp = xpathOf(i);
+  if (xp) facts.push(xp);
+  box.append(el('div', 'dim', facts.join(' \u00b7 ')));
+  box.append(el('h3', null, 'attributes'));
+  box.append(kvTable([...e.attributes].map((a) => [a.name, a.value])));
+  const ins = symbolPairs(i, 'input'), outs = symbolPairs(i, 'output');
+  if (ins.length) { box.append(el('h3', null, 'inputs (' + ins.length + ')')); box.append(kvTable(ins)); }
+  if (outs.length) { box.append(el('h3', null, 'outputs (' + outs.length + ')')); box.append(kvTable(outs)); }
+  box.append(el('h3', null, 'jaxpr'));
+  box.append(el('pre', 'jaxpr', D.texts[i]));
+}
+
+// ---------------------------------------------------------------- search
+
+function rewriteShorthand(q) {
+  // `//[@k=v]` (a step with no node test) means `//*[@k=v]`, as in yax.query.
+  let out = '', quote = null, last = '';
+  for (const ch of q) {
+    if (quote) { if (ch === quote) quote = null; out += ch; continue; }
+    if (ch === '"' || ch === "'") quote = ch;
+    else if (ch === '[' && last === '/') out += '*';
+    out += ch;
+    if (ch.trim()) last = ch;
+  }
+  return out;
+}
+
+function ownerId(n) {
+  if (n.nodeType === Node.ATTRIBUTE_NODE) n = n.ownerElement;
+  else if (n.nodeType === Node.DOCUMENT_NODE) return 0;
+  else if (n.nodeType !== Node.ELEMENT_NODE) n = n.parentNode;
+  if (SYMBOL.has(n.tagName)) n = n.parentNode;
+  const i = ids.get(n);
+  return i === undefined ? 0 : i;
+}
+
+function describe(n) {
+  const i = ownerId(n);
+  const lb = label(i);
+  const where = lb.ty + ' ' + (lb.path || lb.nm);
+  if (n.nodeType === Node.ATTRIBUTE_NODE) return '@' + n.name + '="' + n.value + '"   ' + where;
+  if (n.nodeType === Node.ELEMENT_NODE && SYMBOL.has(n.tagName))
+    return n.tagName + ' ' + n.textContent + ':' + n.getAttribute('type') + '   ' + where;
+  if (n.nodeType === Node.TEXT_NODE) return '"' + n.nodeValue + '"   ' + where;
+  const outs = outTypes(i);
+  return where + (outs.length ? '   \u2192 ' + shapes(outs, 3) : '');
+}
+
+function clearHits() {
+  const old = [...hits, ...inside.keys()];
+  hits = new Set(); hitList = []; hitIndex = -1; inside = new Map();
+  for (const i of old) refreshRow(i);
+}
+
+function setCount(text, bad, n) {
+  const c = $('count');
+  c.textContent = text;
+  c.classList.toggle('bad', !!bad);
+  if (n === undefined) c.removeAttribute('data-count'); else c.dataset.count = n;
+}
+
+function runSearch() {
+  const q = $('search').value.trim();
+  lastQuery = q;
+  clearHits();
+  const res = $('results');
+  res.replaceChildren();
+  res.hidden = true;
+  $('search').classList.remove('bad');
+  if (!q) { setCount('', false); return; }
+  const t0 = performance.now();
+  let r;
+  try {
+    r = xml.evaluate(rewriteShorthand(q), xml.documentElement, null, XPathResult.ANY_TYPE, null);
+    if (r.resultType === XPathResult.UNORDERED_NODE_ITERATOR_TYPE ||
+        r.resultType === XPathResult.ORDERED_NODE_ITERATOR_TYPE)
+      r = xml.evaluate(rewriteShorthand(q), xml.documentElement, null,
+                       XPathResult.ORDERED_NODE_SNAPSHOT_TYPE, null);
+  } catch (err) {
+    $('search').classList.add('bad');
+    setCount('invalid XPath', true);
+    res.hidden = false;
+    res.append(el('div', 'error', String(err.message || err).split('\n')[0] +
+      '\n(the viewer runs XPath 1.0; XPath 2.0/3.1 needs `yax query` in Python)'));
+    return;
+  }
+  const ms = performance.now() - t0;
+  $('count').dataset.ms = ms.toFixed(2);
+  if (r.resultType === XPathResult.NUMBER_TYPE) { setCount('= ' + r.numberValue); return; }
+  if (r.resultType === XPathResult.STRING_TYPE) { setCount('= "' + r.stringValue + '"'); return; }
+  if (r.resultType === XPathResult.BOOLEAN_TYPE) { setCount('= ' + r.booleanValue); return; }
+  const n = r.snapshotLength;
+  setCount(fmt(n) + (n === 1 ? ' match' : ' matches'), false, n);
+  const seen = new Set();
+  for (let k = 0; k < n; k++) {
+    const i = ownerId(r.snapshotItem(k));
+    if (!seen.has(i)) { seen.add(i); hitList.push(i); }
+  }
+  hits = seen;
+  for (const i of hitList) for (const a of ancestors(i)) inside.set(a, (inside.get(a) || 0) + 1);
+  for (const i of new Set([...hits, ...inside.keys()])) refreshRow(i);
+  if (n) {
+    res.hidden = false;
+    const shown = Math.min(n, MAX_LIST);
+    for (let k = 0; k < shown; k++) {
+      const item = r.snapshotItem(k);
+      const d = el('div', 'item', describe(item));
+      const i = ownerId(item);
+      d.addEventListener('click', () => { hitIndex = hitList.indexOf(i); reveal(i); });
+      res.append(d);
+    }
+    if (n > shown) res.append(el('div', 'dim', '\u2026 and ' + fmt(n - shown) + ' more'));
+  }
+  $('count').dataset.totalMs = (performance.now() - t0).toFixed(2);
+}
+
+function step(delta) {
+  if ($('search').value.trim() !== lastQuery) runSearch();
+  if (!hitList.length) return;
+  hitIndex = (hitIndex + delta + hitList.length) % hitList.length;
+  reveal(hitList[hitIndex]);
+}
+
+// ------------------------------------------------------------------ init
+
+function index() {
+  els = []; ids = new Map(); parentOf = [];
+  for (const e of xml.getElementsByTagName('*')) {
+    if (SYMBOL.has(e.tagName)) continue;
+    ids.set(e, els.length);
+    els.push(e);
+  }
+  for (let i = 0; i < els.length; i++) {
+    const p = els[i].parentNode;
+    parentOf.push(p && ids.has(p) ? ids.get(p) : -1);
+  }
+  D.pathCount = new Map();
+  for (const e of els) {
+    const p = e.tagName === 'module_call' && e.getAttribute('path');
+    if (p) D.pathCount.set(p, (D.pathCount.get(p) || 0) + 1);
+  }
+}
+
+function fatal(msg) {
+  $('details').replaceChildren(el('p', 'error', msg));
+}
+
+async function main() {
+  try { D = await loadPayload(); } catch (err) { fatal('cannot load data: ' + err.message); return; }
+  xml = new DOMParser().parseFromString(D.xml, 'application/xml');
+  const perr = xml.getElementsByTagName('parsererror')[0];
+  if (perr) { fatal('embedded XML does not parse: ' + perr.textContent); return; }
+  index();
+  if (els.length !== D.texts.length) {
+    fatal('embedded XML has ' + els.length + ' nodes, data has ' + D.texts.length);
+    return;
+  }
+  expanded.add(0);
+  const first = childIds(0).filter(isMox);
+  if (first.length === 1) expanded.add(first[0]);
+  renderTree();
+  const t = D.totals;
+  $('status').textContent = fmt(t.module_calls) + ' module calls \u00b7 ' + fmt(t.equations) +
+    ' equations \u00b7 ' + fmt(t.params) + ' params \u00b7 yax ' + D.version;
+  $('details').replaceChildren(el('p', 'hint',
+    'Click a node to see its attributes and Jaxpr. Type an XPath above ' +
+    '(e.g. //module_call[@type="Dense"]) and press Enter; Enter again jumps to the next match.'));
+  $('tree').addEventListener('click', (ev) => {
+    const li = ev.target.closest('li');
+    if (!li) return;
+    const i = Number(li.dataset.id);
+    if (ev.target.classList.contains('tw') || i === selected) {
+      if (visibleChildren(i).length) setExpanded(i, !expanded.has(i));
+    }
+    select(i);
+  });
+  $('tree').addEventListener('dblclick', (ev) => ev.preventDefault());
+  $('search-form').addEventListener('submit', (ev) => { ev.preventDefault(); step(1); });
+  $('search').addEventListener('keydown', (ev) => {
+    if (ev.key === 'Enter' && ev.shiftKey) { ev.preventDefault(); step(-1); }
+  });
+  let timer = null;
+  $('search').addEventListener('input', () => {
+    clearTimeout(timer);
+    timer = setTimeout(() => { if ($('search').value.trim() !== lastQuery) runSearch(); }, 300);
+  });
+  $('next').addEventListener('click', () => step(1));
+  $('prev').addEventListener('click', () => step(-1));
+  $('show-eqns').addEventListener('change', renderTree);
+  $('collapse').addEventListener('click', () => { expanded.clear(); expanded.add(0); renderTree(); });
+  document.body.dataset.ready = 'true';
+}
+
+main();
+})();
+"""
