@@ -15,7 +15,7 @@ The data ships with scikit-learn (``sklearn.datasets.load_digits``: 1,797
 
 Run::
 
-    python examples/lora_finetune.py               # about a minute on a CPU
+    python examples/lora_finetune.py               # about 20 s on a CPU
     python examples/lora_finetune.py --small       # a few seconds (CI)
 
 It needs ``optax``, ``scikit-learn``, ``tqdm`` and ``matplotlib``

@@ -45,15 +45,18 @@ def traced_gelu(shape, dtype):
   return yax.make_mox(jax.nn.gelu)(jax.ShapeDtypeStruct(shape, dtype))
 
 
+RELU = '//*[@name="relu"]'  # nn.relu: a custom_jvp_call named relu
+
+
+def gelu_like(path, node):
+  """The replacement for one ReLU: GELU traced for that node's input."""
+  x = node.inputs[0].aval
+  return traced_gelu(tuple(x.shape), x.dtype)
+
+
 def relu_to_gelu(mox):
   """Returns (new tree, number of ReLUs replaced)."""
-  relus = yax.query('//*[@name="relu"]', mox)
-
-  def gelu_like(path, node):
-    x = node.inputs[0].aval
-    return traced_gelu(tuple(x.shape), x.dtype)
-
-  return yax.sub(relus, gelu_like, mox), len(relus)
+  return yax.sub(RELU, gelu_like, mox), len(yax.query(RELU, mox))
 
 
 @contextlib.contextmanager
@@ -140,9 +143,9 @@ def run(build, small: bool) -> float:
   name, model, params, x, reference = build(small)
   mox = yax.make_mox(model)(x, params=params)
   new, n = relu_to_gelu(mox)
-  left = len(yax.query('//*[@name="relu"]', new))
+  left = len(yax.query(RELU, new))
   shapes = sorted({tuple(e.inputs[0].aval.shape)
-                   for e in yax.query('//*[@name="relu"]', mox)})
+                   for e in yax.query(RELU, mox)})
   print(f'{name}: replaced {n} ReLU with GELU ({left} left), '
         f'{len(shapes)} input shape(s): {shapes}')
 

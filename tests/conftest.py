@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - hypothesis is a test dependency
   pass
 else:
   hypothesis.settings.register_profile(
-      'yax', max_examples=25, deadline=None, derandomize=True,
+      'yax', max_examples=25, deadline=None, derandomize=True, database=None,
       suppress_health_check=[hypothesis.HealthCheck.too_slow,
                              hypothesis.HealthCheck.data_too_large])
   hypothesis.settings.load_profile('yax')

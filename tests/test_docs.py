@@ -53,6 +53,9 @@ def parse_blocks(text: str) -> list[Block]:
       i += 1
       continue
     fence, lang, indent = m['fence'], m['info'].lower(), len(m['indent'])
+    if fence[0] == '`' and '`' in lines[i][m.end('fence'):]:
+      i += 1  # inline code such as ```` ```python ````, not a fence
+      continue
     start = i + 1
     j = start
     while j < len(lines) and not re.match(
@@ -101,7 +104,7 @@ def run_file(path: pathlib.Path) -> int:
     source = '\n' * (block.line - 1) + block.code
     stdout = io.StringIO()
     try:
-      code = compile(source, str(path), 'exec')
+      code = compile(source, str(path), 'exec', dont_inherit=True)
       with contextlib.redirect_stdout(stdout):
         exec(code, namespace)  # noqa: S102 - executing our own docs
     except BaseException as e:  # noqa: BLE001 - reported with location
@@ -122,11 +125,10 @@ def run_file(path: pathlib.Path) -> int:
 
 
 def _files_with_blocks():
-  out = []
-  for path in DOC_FILES:
-    if parse_blocks(path.read_text(encoding='utf-8')):
-      out.append(pytest.param(path, id=_doc_id(path)))
-  return out
+  # A cheap filter: parse errors are reported by the test of that file.
+  return [pytest.param(path, id=_doc_id(path)) for path in DOC_FILES
+          if re.search(r'^ {0,3}(`{3,}|~{3,})\s*python', path.read_text(
+              encoding='utf-8'), re.MULTILINE | re.IGNORECASE)]
 
 
 @pytest.mark.parametrize('path', _files_with_blocks())
@@ -153,6 +155,7 @@ def test_parse_blocks_lines_languages_and_outputs():
           '```output\n'
           '1\n'
           '```\n'
+          '```` ```python ```` inline, not a fence.\n'
           '````pycon\n'
           '>>> not run\n'
           '````\n'
@@ -161,7 +164,7 @@ def test_parse_blocks_lines_languages_and_outputs():
           '  ```\n')
   blocks = parse_blocks(text)
   assert [(b.lang, b.line, b.code) for b in blocks] == [
-      ('python', 3, 'x = 1\nprint(x)\n'), ('python', 13, 'y = x + 1\n')]
+      ('python', 3, 'x = 1\nprint(x)\n'), ('python', 14, 'y = x + 1\n')]
   assert blocks[0].expected_output == '1\n'
   assert blocks[0].output_line == 7
   assert blocks[1].expected_output is None
@@ -195,3 +198,55 @@ def test_run_file_checks_output(tmp_path):
                      match=r'(?s)the ```output block at line 5 does not '
                      r'match.*documented\n3\n--- printed\n2'):
     run_file(doc)
+
+
+# ------------------------------------- claims made in docs/design.md
+
+_PRIVATE = ('jax._src', 'jaxlib', 'flax.core')
+
+
+def _private_uses(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, module) for each import of a JAX/Flax internal module."""
+  import ast
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names = [node.module] + [f'{node.module}.{a.name}' for a in node.names]
+    for name in names:
+      if any(name == p or name.startswith(p + '.') for p in _PRIVATE):
+        found.append((node.lineno, name))
+        break
+  return found
+
+
+def test_private_imports_live_in_compat_only():
+  offenders = [f'{py.relative_to(ROOT)}:{line}: {name}'
+               for py in sorted((ROOT / 'yax').rglob('*.py'))
+               if py.name != '_compat.py'
+               for line, name in _private_uses(py)]
+  assert not offenders, ('JAX/Flax internals may only be imported in '
+                         'yax/_compat.py:\n' + '\n'.join(offenders))
+
+
+def test_each_private_import_in_compat_says_why():
+  compat = ROOT / 'yax' / '_compat.py'
+  lines = compat.read_text(encoding='utf-8').splitlines()
+  uses = _private_uses(compat)
+  assert uses, 'yax/_compat.py imports no JAX internals: update docs/design.md'
+  for line, name in uses:
+    above = lines[max(0, line - 4):line - 1]
+    assert any(l.strip().startswith('# Why:') for l in above), (
+        f'yax/_compat.py:{line}: import of {name} has no "# Why:" comment '
+        'right above it')
+
+
+def test_private_import_detector(tmp_path):
+  mod = tmp_path / 'm.py'
+  mod.write_text('import jax\nfrom jax import numpy\nfrom jax._src import core\n'
+                 'import flax.core.scope as s\nfrom flax.linen import Dense\n'
+                 'from jax import _src\n')
+  assert _private_uses(mod) == [(3, 'jax._src'), (4, 'flax.core.scope'),
+                                (6, 'jax._src')]

@@ -330,7 +330,11 @@ def describe_matches(mox, matches) -> list[str]:
   from yax._ir import Equation, Mox, Symbol
   from yax._serialize import xml_view
   from yax._summary import type_text
-  names = getattr(xml_view(mox), 'names', None) or {}
+  view = xml_view(mox)
+  names = getattr(view, 'names', None) or {}
+  wanted = {id(m) for m in matches if isinstance(m, Equation)}
+  elements = {id(obj): el for el, obj in view.objects.items()
+              if id(obj) in wanted}
   owner = {}  # node id -> path of the module call it belongs to
   stack = [(mox, ())]
   while stack:
@@ -350,7 +354,8 @@ def describe_matches(mox, matches) -> list[str]:
                    .rstrip())
     elif isinstance(item, Equation):
       kind = item.prim.name
-      name = item.params.get('name')
+      el = elements.get(id(item))
+      name = el.get('name') if el is not None else item.params.get('name')
       if isinstance(name, str):
         kind += f'[name={name}]'
       outs = ' '.join(type_text(s) for s in item.outputs)

@@ -46,7 +46,7 @@ from lxml import etree
 
 from yax._errors import YaxError
 from yax._format import format_value
-from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var
+from yax._ir import Equation, Expr, Literal, Mox, Symbol
 
 __all__ = ['dump_xml', 'dump_yson', 'to_dict', 'to_json', 'xml_view']
 
@@ -253,13 +253,24 @@ _TYPES: dict[Any, str] = {}
 
 def _type_str(aval) -> str:
   """The escaped type string of an aval (``f32[1,10]``)."""
-  text = _TYPES.get(aval)
+  try:
+    text = _TYPES.get(aval)
+  except TypeError:  # an unhashable aval: format it every time
+    return _format_type(aval)
   if text is None:
-    text = _escape(xml_text(aval.str_short(short_dtypes=True)))
+    text = _format_type(aval)
     if len(_TYPES) > 4096:
       _TYPES.clear()
     _TYPES[aval] = text
   return text
+
+
+def _format_type(aval) -> str:
+  try:
+    text = aval.str_short(short_dtypes=True)
+  except Exception:  # noqa: BLE001 - not a JAX abstract value
+    text = str(aval)
+  return _escape(xml_text(text))
 
 
 class XmlView:
@@ -447,13 +458,15 @@ def dump_xml(mox: Expr, fileobj: IO[str] | str | os.PathLike,
     fileobj.write(text)
 
 
+_SYMBOL_TAGS = ('input', 'output')  # an equation is never named so
+
+
 def _dict(el) -> dict:
-  node = {'tag': el.tag, 'attrs': dict(el.attrib)}
-  if el.tag in ('input', 'output') and el.getparent() is not None and not len(el):
-    node['text'] = el.text or ''
-  else:
-    node['children'] = [_dict(child) for child in el]
-  return node
+  tag = el.tag
+  if tag in _SYMBOL_TAGS:
+    return {'tag': tag, 'attrs': dict(el.attrib), 'text': el.text or ''}
+  return {'tag': tag, 'attrs': dict(el.attrib),
+          'children': [_dict(child) for child in el]}
 
 
 def to_dict(mox: Expr) -> dict:
@@ -472,7 +485,7 @@ def to_json(mox: Expr, indent: int | None = None) -> str:
 
 
 def _yson(el, yson):
-  if el.tag in ('input', 'output') and el.getparent() is not None and not len(el):
+  if el.tag in _SYMBOL_TAGS:
     node = yson.YsonUnicode(el.text or '')
     node.attributes = {'tag': el.tag, **el.attrib}
   else:

@@ -343,7 +343,10 @@ class _Substitution:
   def replace(self, node: Expr) -> list[Expr]:
     template = self.repl
     if callable(template) and not isinstance(template, Expr):
-      template = template(getattr(node, 'path', ()), node)
+      # An equation's path is the path of the module call it sits in.
+      path = node.path if isinstance(node, Mox) else next(
+          (f.node.path for f in reversed(self.stack) if not f.is_body), ())
+      template = template(path, node)
       if template is node:
         if isinstance(node, Mox):
           return [self.rebuild_module(node)]

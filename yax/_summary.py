@@ -269,7 +269,7 @@ def make_table(mox: Mox, *, max_depth: int | None = None, title: str | None = No
   calls = sum(1 for _ in module_calls(mox))
   eqns = sum(1 for _ in leaf_equations(mox))
   caption = [f'Total params: {n:,} ({human_bytes(nbytes)})',
-             f'FLOPs (dot_general + conv, per call): {flops(mox):,}']
+             f'FLOPs (dot_general + conv): {flops(mox):,}']
   if xla:
     estimate = xla_flops(mox)
     caption.append('FLOPs (XLA cost analysis, whole model): ' + (

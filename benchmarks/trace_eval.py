@@ -1,0 +1,189 @@
+"""Cost of tracing and replaying with YAX versus plain JAX, on real models.
+
+For full-size BERT-base (``FlaxBertModel(BertConfig())``, input ids (1, 128))
+and ResNet-50 (``FlaxResNetModel(ResNetConfig())``, images (1, 3, 224, 224))
+with random weights, prints one table with these ratios (YAX / JAX, medians
+over repeats, measurements interleaved so that machine load hits both alike):
+
+* trace:        ``yax.make_mox(fn)(...)`` / ``jax.make_jaxpr(fn)(...)``
+                (a fresh function object each time: make_jaxpr caches);
+* jit steady:   ``jit(eval_mox)`` / ``jit(fn)`` per call once compiled;
+* jit first:    first call of a fresh ``jit`` (trace + compile + run);
+* eager:        ``eval_mox`` / ``fn`` without ``jit`` (after one warm-up);
+* FLOPs equal:  ``cost_analysis()`` of both compiled programs.
+
+Usage::
+
+    python benchmarks/trace_eval.py            # full size (minutes)
+    python benchmarks/trace_eval.py --small    # tiny configs (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault('USE_TORCH', '0')
+os.environ.setdefault('USE_FLAX', '1')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import yax  # noqa: E402
+
+GOALS = {'trace': 1.2, 'jit steady': 1.02, 'jit first': 1.1, 'eager': 1.2}
+
+
+def block(tree):
+  return jax.block_until_ready(tree)
+
+
+def timed(fn) -> float:
+  start = time.perf_counter()
+  block(fn())
+  return time.perf_counter() - start
+
+
+def interleaved(a, b, repeats: int) -> tuple[float, float]:
+  """Medians of ``repeats`` timings of ``a()`` and ``b()``, alternating."""
+  ta, tb = [], []
+  for i in range(repeats):
+    if i % 2:
+      tb.append(timed(b))
+      ta.append(timed(a))
+    else:
+      ta.append(timed(a))
+      tb.append(timed(b))
+  return statistics.median(ta), statistics.median(tb)
+
+
+def flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get('flops', 0.0))
+
+
+def build_models(small: bool):
+  import transformers
+  if small:
+    bert_cfg = transformers.BertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64)
+    resnet_cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])
+    ids_shape, img_shape = (1, 16), (1, 3, 32, 32)
+  else:
+    bert_cfg = transformers.BertConfig()
+    resnet_cfg = transformers.ResNetConfig()
+    ids_shape, img_shape = (1, 128), (1, 3, 224, 224)
+  models = []
+  start = time.perf_counter()
+  bert = transformers.FlaxBertModel(bert_cfg, seed=0)
+  ids = jax.random.randint(jax.random.key(0), ids_shape, 0,
+                           bert_cfg.vocab_size)
+  models.append(('BERT' if small else 'BERT-base', bert, ids))
+  resnet = transformers.FlaxResNetModel(resnet_cfg, seed=0)
+  images = jax.random.normal(jax.random.key(1), img_shape)
+  models.append(('ResNet' if small else 'ResNet-50', resnet, images))
+  print(f'# models built in {time.perf_counter() - start:.1f}s',
+        file=sys.stderr)
+  return models
+
+
+def measure(model, x, params, reps: dict) -> dict:
+  def call(x, params):
+    return model(x, params=params)
+
+  res = {}
+  # Tracing; fresh function objects, so nothing is cached between runs.
+  mox_t, jaxpr_t = interleaved(
+      lambda: yax.make_mox(lambda x, params: call(x, params))(x, params),
+      lambda: jax.make_jaxpr(lambda x, params: call(x, params))(x, params)
+      .consts,
+      reps['trace'])
+  res['trace'] = (mox_t, jaxpr_t)
+  mox = yax.make_mox(call)(x, params)
+
+  def ev(x, params):
+    return yax.eval_mox(mox, x, params)
+
+  # First call of a fresh jit: trace + lower + compile + run.
+  res['jit first'] = interleaved(lambda: jax.jit(ev)(x, params),
+                                 lambda: jax.jit(call)(x, params),
+                                 reps['first'])
+  jit_ev, jit_fn = jax.jit(ev), jax.jit(call)
+  block(jit_ev(x, params))
+  block(jit_fn(x, params))
+  res['jit steady'] = interleaved(lambda: jit_ev(x, params),
+                                  lambda: jit_fn(x, params), reps['steady'])
+  block(ev(x, params))  # warm the per-primitive caches of both
+  block(call(x, params))
+  res['eager'] = interleaved(lambda: ev(x, params), lambda: call(x, params),
+                             reps['eager'])
+  f_ev = flops(jax.jit(ev).lower(x, params).compile())
+  f_fn = flops(jax.jit(call).lower(x, params).compile())
+  res['flops'] = (f_ev, f_fn)
+  n_eqns = sum(1 for _ in yax._ir.leaf_equations(mox))
+  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+               if isinstance(n, yax.Mox) and not n.is_ephemeral)
+  res['size'] = (n_eqns, n_mods)
+  return res
+
+
+def fmt_time(t: float) -> str:
+  return f'{t * 1e3:.1f}ms' if t < 1 else f'{t:.2f}s'
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--small', action='store_true',
+                      help='tiny model configs for a quick run')
+  parser.add_argument('--repeats', type=int, default=None,
+                      help='repeats of the steady-state timing')
+  args = parser.parse_args(argv)
+  reps = ({'trace': 5, 'first': 3, 'steady': 30, 'eager': 5} if args.small
+          else {'trace': 7, 'first': 3, 'steady': 30, 'eager': 5})
+  if args.repeats:
+    reps['steady'] = args.repeats
+
+  results = {}
+  for name, model, x in build_models(args.small):
+    print(f'# measuring {name} ...', file=sys.stderr)
+    results[name] = measure(model, x, model.params, reps)
+
+  names = list(results)
+  print(f'jax {jax.__version__}, backend {jax.default_backend()}, '
+        f'{jax.device_count()} device(s); medians, YAX / JAX')
+  for name in names:
+    eq, mods = results[name]['size']
+    print(f'  {name}: {eq} equations, {mods} module calls')
+  width = 30
+  header = f'{"metric":<12} {"goal":>6}' + ''.join(
+      f' | {n:^{width}}' for n in names)
+  print(header)
+  print('-' * len(header))
+  for metric, goal in GOALS.items():
+    row = f'{metric:<12} {"<=" + str(goal):>6}'
+    for name in names:
+      a, b = results[name][metric]
+      ratio = a / b
+      mark = 'ok' if ratio <= goal else 'MISS'
+      cell = f'{ratio:5.2f} {mark:<4} ({fmt_time(a)} / {fmt_time(b)})'
+      row += f' | {cell:^{width}}'
+    print(row)
+  row = f'{"FLOPs equal":<12} {"yes":>6}'
+  for name in names:
+    a, b = results[name]['flops']
+    cell = f'{"yes" if a == b else "NO"} ({a:.3g} / {b:.3g})'
+    row += f' | {cell:^{width}}'
+  print(row)
+
+
+if __name__ == '__main__':
+  main()
