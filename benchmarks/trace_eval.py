@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -42,10 +43,20 @@ def block(tree):
   return jax.block_until_ready(tree)
 
 
+CLOCK = time.perf_counter  # --clock cpu switches to time.process_time
+
+
 def timed(fn) -> float:
-  start = time.perf_counter()
-  block(fn())
-  return time.perf_counter() - start
+  """Seconds for ``fn()`` to finish, with the garbage collector paused (as
+  ``timeit`` does) so that a collection does not land on one side only."""
+  gc.collect()
+  gc.disable()
+  try:
+    start = CLOCK()
+    block(fn())
+    return CLOCK() - start
+  finally:
+    gc.enable()
 
 
 def interleaved(a, b, repeats: int) -> tuple[float, float]:
@@ -113,10 +124,12 @@ def measure(model, x, params, reps: dict) -> dict:
   def ev(x, params):
     return yax.eval_mox(mox, x, params)
 
-  # First call of a fresh jit: trace + lower + compile + run.
-  res['jit first'] = interleaved(lambda: jax.jit(ev)(x, params),
-                                 lambda: jax.jit(call)(x, params),
-                                 reps['first'])
+  # First call of a fresh jit: trace + lower + compile + run. A new function
+  # object each time, since jit caches traces and executables per function.
+  res['jit first'] = interleaved(
+      lambda: jax.jit(lambda x, p: ev(x, p))(x, params),
+      lambda: jax.jit(lambda x, p: call(x, p))(x, params),
+      reps['first'])
   jit_ev, jit_fn = jax.jit(ev), jax.jit(call)
   block(jit_ev(x, params))
   block(jit_fn(x, params))
@@ -146,7 +159,12 @@ def main(argv=None):
                       help='tiny model configs for a quick run')
   parser.add_argument('--repeats', type=int, default=None,
                       help='repeats of the steady-state timing')
+  parser.add_argument('--clock', choices=('wall', 'cpu'), default='wall',
+                      help='wall time (default) or CPU time of this process '
+                      '(steadier on a loaded machine)')
   args = parser.parse_args(argv)
+  global CLOCK
+  CLOCK = time.process_time if args.clock == 'cpu' else time.perf_counter
   reps = ({'trace': 5, 'first': 3, 'steady': 30, 'eager': 5} if args.small
           else {'trace': 7, 'first': 3, 'steady': 30, 'eager': 5})
   if args.repeats:
@@ -159,7 +177,8 @@ def main(argv=None):
 
   names = list(results)
   print(f'jax {jax.__version__}, backend {jax.default_backend()}, '
-        f'{jax.device_count()} device(s); medians, YAX / JAX')
+        f'{jax.device_count()} device(s), {args.clock} clock; '
+        f'medians, YAX / JAX')
   for name in names:
     eq, mods = results[name]['size']
     print(f'  {name}: {eq} equations, {mods} module calls')

@@ -6,6 +6,7 @@ objects, other modules). The views show each as a short, stable string.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import functools
 import types
@@ -59,7 +60,8 @@ def format_value(value, *, bools: str = 'xml') -> str | None:
   if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
     return str(value)
   if isinstance(value, (tuple, list)):
-    inner = [format_value(v, bools=bools) for v in value]
+    inner = [repr(v) if isinstance(v, str) else format_value(v, bools=bools)
+             for v in value]
     inner = ['None' if s is None else s for s in inner]
     if isinstance(value, tuple):
       return '(' + ', '.join(inner) + (',)' if len(inner) == 1 else ')')
@@ -70,7 +72,7 @@ def format_value(value, *, bools: str = 'xml') -> str | None:
                         types.MethodType, type)) or (
                             callable(value) and hasattr(value, '__qualname__')):
     return qualified_name(value)
-  if isinstance(value, dict):
+  if isinstance(value, collections.abc.Mapping):  # dict, flax FrozenDict
     items = ', '.join(f'{k}: {format_value(v, bools=bools)}'
                       for k, v in value.items())
     return '{' + items + '}'

@@ -118,12 +118,7 @@ class _Compiled:
 
 
 def _lxml_message(e) -> str:
-  msgs = []
-  for entry in e.error_log:
-    msg = entry.message
-    if entry.column and isinstance(e, etree.XPathSyntaxError):
-      msg += f' at column {entry.column + 1}'
-    msgs.append(msg)
+  msgs = [entry.message for entry in e.error_log]
   return '; '.join(dict.fromkeys(msgs)) or str(e)
 
 

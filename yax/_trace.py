@@ -76,14 +76,20 @@ class CallRecord:
   num_out_leaves: int = 0
 
 
+# Field names per module class, computed once (``dataclasses.fields`` is
+# slow enough to show up when tracing models with hundreds of module calls).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def module_fields(module: nn.Module) -> dict:
   """A module's dataclass fields except ``parent``, including ``name``."""
-  out = {}
-  for f in dataclasses.fields(module):
-    if f.name == 'parent' or not f.init and f.name != 'name':
-      continue
-    out[f.name] = getattr(module, f.name, None)
-  return out
+  cls = type(module)
+  names = _FIELD_NAMES.get(cls)
+  if names is None:
+    names = _FIELD_NAMES[cls] = tuple(
+        f.name for f in dataclasses.fields(module)
+        if f.name != 'parent' and (f.init or f.name == 'name'))
+  return {name: getattr(module, name, None) for name in names}
 
 
 _ids = itertools.count()
@@ -103,9 +109,11 @@ def _interceptor(next_fun, args, kwargs, context):
     variables = module.variables
   except Exception:  # unbound module: nothing to record
     return next_fun(*args, **kwargs)
-  variables = jax.tree_util.tree_map(
-      lambda v: v if is_traced_value(v) else None, dict(variables))
-  var_leaves, var_tree = tree_flatten(variables)
+  var_leaves, var_tree = tree_flatten(dict(variables))
+  if not all(map(is_traced_value, var_leaves)):  # rare: drop non-array leaves
+    variables = jax.tree_util.tree_map(
+        lambda v: v if is_traced_value(v) else None, dict(variables))
+    var_leaves, var_tree = tree_flatten(variables)
   leaves, in_tree = tree_flatten((args, kwargs))
   dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
   call_id = next(_ids)
@@ -113,7 +121,8 @@ def _interceptor(next_fun, args, kwargs, context):
       module_ty=type(module), method=context.method_name,
       params=module_fields(module), path=tuple(module.path),
       var_tree=var_tree, in_tree=in_tree,
-      arg_statics={i: x for i, x in enumerate(leaves) if i not in set(dyn)},
+      arg_statics={i: x for i, x in enumerate(leaves)
+                   if not is_traced_value(x)},
       num_arg_leaves=len(leaves))
   records[call_id] = record
 
@@ -132,7 +141,7 @@ def _interceptor(next_fun, args, kwargs, context):
   record.out_tree = out_tree
   record.num_out_leaves = len(out_leaves)
   record.out_statics = {i: x for i, x in enumerate(out_leaves)
-                        if i not in set(out_dyn)}
+                        if not is_traced_value(x)}
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
                                 call_id=call_id)
   for i, x in zip(out_dyn, marked):
@@ -353,7 +362,14 @@ def body_to_param(body: Mox, like):
   # Keep the original debug info (function name, argument names): markers
   # change neither the inputs nor the outputs, so it still describes the body,
   # and JAX (and ``Equation.name``) show ``scan`` bodies by that name.
+  # A rewrite that adds inputs (new variables threaded into a scan body)
+  # invalidates it: JAX checks that the argument names match the inputs.
   info = getattr(getattr(like, 'jaxpr', like), 'debug_info', None)
+  names = getattr(info, 'arg_names', None)
+  results = getattr(info, 'result_paths', None)
+  if (names is not None and len(names) != len(closed.jaxpr.invars)) or (
+      results is not None and len(results) != len(closed.jaxpr.outvars)):
+    info = None
   if info is not None:
     closed = jex.ClosedJaxpr(closed.jaxpr.replace(debug_info=info),
                              closed.consts)
