@@ -202,7 +202,7 @@ def test_awkward_fields_are_escaped_and_renamed():
   (el,) = [e for e in root.iter('module_call') if e.get('type') == 'Odd']
   assert el.get('note') == 'a<b & "c"\n\td\\x00e \u00e9\u4e2d'
   assert el.get('_type') == 'mine' and el.get('type') == 'Odd'
-  assert el.get('_path') == '(x, 1, None, true)'  # format_value's text
+  assert el.get('_path') == "('x', 1, None, true)"  # format_value's text
   (node,) = modules(mox, 'Odd')
   assert el.get('table') == format_value(node.params['table'])  # a FrozenDict
   assert el.get('flag') == 'false'
