@@ -405,3 +405,26 @@ def test_extra_inputs_become_new_root_arguments(mlp):
   close(yax.eval_mox(new, variables, x, b), ref)
   with pytest.raises(yax.SignatureError):
     yax.eval_mox(new, variables, x)
+
+
+def test_equation_errors_and_callables_see_the_enclosing_module_path():
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(8, name='a')(x))
+      return nn.relu(nn.Dense(16, name='b')(x))
+
+  model = Two()
+  x = jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  paths = []
+  yax.sub('//*[@name="relu"]', lambda path, node: paths.append(path) or node,
+          mox)
+  assert paths == [(), ()]  # both ReLUs sit in the top-level module call
+  gelu = yax.make_mox(jax.nn.gelu)(jnp.zeros((4, 8)))
+  with pytest.raises(yax.SubstitutionError,
+                     match=r"equation 'custom_jvp_call' \(relu\) in the module "
+                           r"call at path '<root>': input 0 .*f32\[4,8\].*"
+                           r"f32\[4,16\]"):
+    yax.sub('//*[@name="relu"]', gelu, mox)

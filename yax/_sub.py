@@ -36,11 +36,14 @@ Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 Loc = tuple
 
 
-def _where(node: Expr) -> str:
+def _where(node: Expr, path: tuple = ()) -> str:
+  """How errors name a node: its type and module path."""
   if isinstance(node, Mox):
     kind = node.type_name or 'ephemeral module_call'
     return f"{kind} at path '{'/'.join(node.path) or '<root>'}'"
-  return f"equation '{node.prim.name}'"
+  name = f' ({node.name})' if node.name and node.name != node.prim.name else ''
+  return (f"equation '{node.prim.name}'{name} in the module call at path "
+          f"'{'/'.join(path) or '<root>'}'")
 
 
 def _key_name(key) -> Any:
@@ -240,7 +243,7 @@ class _Substitution:
       self.stack.pop()
       if frame.new_args:
         raise SubstitutionError(
-            f'the replacement inside the body of {_where(eqn)} needs '
+            f'the replacement inside the body of {_where(eqn, self.enclosing_path())} needs '
             f'{len(frame.new_args)} extra arguments; inside lifted transforms '
             '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
             'arguments of the node it replaces')
@@ -312,7 +315,7 @@ class _Substitution:
     else:
       raise SubstitutionError(
           f"cannot add variables ({', '.join('/'.join(l) for l in seen)}) "
-          f'inside the body of {_where(eqn)}: only scan (nn.scan) and '
+          f'inside the body of {_where(eqn, self.enclosing_path())}: only scan (nn.scan) and '
           'checkpoint (nn.remat) bodies can take new variables')
     for f in reversed(self.stack):
       f.new_vars.extend(outer)
@@ -340,12 +343,15 @@ class _Substitution:
 
   # -- one replacement
 
+  def enclosing_path(self) -> tuple:
+    return next((f.node.path for f in reversed(self.stack) if not f.is_body),
+                ())
+
   def replace(self, node: Expr) -> list[Expr]:
     template = self.repl
     if callable(template) and not isinstance(template, Expr):
       # An equation's path is the path of the module call it sits in.
-      path = node.path if isinstance(node, Mox) else next(
-          (f.node.path for f in reversed(self.stack) if not f.is_body), ())
+      path = node.path if isinstance(node, Mox) else self.enclosing_path()
       template = template(path, node)
       if template is node:
         if isinstance(node, Mox):
@@ -353,7 +359,7 @@ class _Substitution:
         return [self.rebuild_equation(node)]
     if not isinstance(template, Expr):
       raise SubstitutionError(
-          f'a replacement for {_where(node)} must be a Mox, an Equation or a '
+          f'a replacement for {_where(node, self.enclosing_path())} must be a Mox, an Equation or a '
           f'callable returning one; found {type(template).__name__}')
     consts = []
     if isinstance(template, Mox) and template.is_ephemeral:
@@ -388,7 +394,7 @@ class _Substitution:
         target = node_args[pos]
         if not _same_type(sym, target):
           raise SubstitutionError(
-              f'cannot substitute {_where(node)}: input {pos} of the '
+              f'cannot substitute {_where(node, self.enclosing_path())}: input {pos} of the '
               f'replacement has type {sym.type_str} but the node passes '
               f'{target.type_str}')
         wiring[sym] = target
@@ -397,20 +403,21 @@ class _Substitution:
         wiring[sym] = fresh
         extra_args.append(fresh)
 
-    copied = _Copier(wiring, node).copy(template)
+    copied = _Copier(wiring, node, _where(node, self.enclosing_path())).copy(
+        template)
     old_outs = [s for s in node.outputs if not (isinstance(s, Literal) and
                                                  s.is_static)]
     new_outs = [s for s in copied.outputs if not (isinstance(s, Literal) and
                                                    s.is_static)]
     if len(old_outs) != len(new_outs):
       raise SubstitutionError(
-          f'cannot substitute {_where(node)}: it has {len(old_outs)} outputs '
+          f'cannot substitute {_where(node, self.enclosing_path())}: it has {len(old_outs)} outputs '
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
     for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
       if not _same_type(old, new):
         raise SubstitutionError(
-            f'cannot substitute {_where(node)}: output {pos} has type '
+            f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
     # Only now, when nothing can fail any more, record what the copy needs.
     for old, new in zip(old_outs, new_outs):
@@ -448,7 +455,7 @@ class _Substitution:
       if existing is not None:
         if not _same_type(existing, sym):
           raise SubstitutionError(
-              f"cannot substitute {_where(node)}: variable "
+              f"cannot substitute {_where(node, self.enclosing_path())}: variable "
               f"'{'/'.join(loc)}' exists with type {existing.type_str} but "
               f'the replacement reads it as {sym.type_str}; give the '
               'replacement module another name')
@@ -456,7 +463,7 @@ class _Substitution:
         continue
       if keys[0] not in self.prefix:
         raise SubstitutionError(
-            f"cannot substitute {_where(node)}: the replacement needs a new "
+            f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
             f"'{keys[0]}' collection to put it in")
       fresh = Var(sym.aval)
@@ -505,9 +512,10 @@ def _unwrap_traced_module(root: Mox):
 class _Copier:
   """Copies a replacement with fresh symbols, wired through ``wiring``."""
 
-  def __init__(self, wiring: dict, node: Expr):
+  def __init__(self, wiring: dict, node: Expr, where: str = ''):
     self.map = dict(wiring)
     self.node = node
+    self.where = where or _where(node)
 
   def read(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
@@ -516,7 +524,7 @@ class _Copier:
       return self.map[sym]
     except KeyError:
       raise SubstitutionError(
-          f'cannot substitute {_where(self.node)}: the replacement reads a '
+          f'cannot substitute {self.where}: the replacement reads a '
           f'value of type {sym.type_str} that it neither computes nor takes '
           'as an input (a closure over another trace); trace the '
           'replacement as a function of all the values it reads') from None
@@ -532,7 +540,7 @@ class _Copier:
     if isinstance(expr, Equation):
       inputs = [self.read(s) for s in expr.inputs]
       # Bodies of sub-jaxprs are closed: copy them with their own symbols.
-      bodies = [_Copier({}, self.node).copy_closed(b) for b in expr.children]
+      bodies = [_Copier({}, self.node, self.where).copy_closed(b) for b in expr.children]
       outputs = [self.define(s) for s in expr.outputs]
       return expr.replace(inputs=inputs, outputs=outputs, children=bodies)
     inputs = [self.read(s) for s in expr.inputs]
