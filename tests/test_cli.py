@@ -10,7 +10,6 @@ import importlib.util
 import io
 import json
 import os
-import pathlib
 import re
 import shutil
 import subprocess

@@ -472,3 +472,89 @@ def test_hf_style_wrapper():
 def test_make_mox_rejects_non_callables():
   with pytest.raises(yax.TraceError, match='expects a callable, found int'):
     yax.make_mox(3)
+
+
+# ------------------------------------- control flow lifts, inner transforms
+
+class Branchy(nn.Module):
+  """nn.cond / nn.switch / nn.while_loop over submodules."""
+
+  def setup(self):
+    self.a = nn.Dense(3)
+    self.b = nn.Dense(3)
+    self.loop = nn.Dense(3)
+
+  def __call__(self, x, p, i):
+    if self.is_initializing():  # every branch creates its variables
+      self.a(x), self.b(x), self.loop(x)
+    y = nn.cond(p > 0, lambda m, x: m.a(x), lambda m, x: m.b(x), self, x)
+    y = nn.switch(i, [lambda m, x: m.a(x), lambda m, x: m.b(x)], self, y)
+    return nn.while_loop(lambda m, c: c[0] < 2,
+                         lambda m, c: (c[0] + 1, m.loop(c[1])), self, (0, y))[1]
+
+
+def test_cond_switch_while_loop_bodies_hold_module_calls():
+  model = Branchy()
+  x = jnp.ones((2, 3))
+  variables = model.init(KEY, x, 1.0, 0)
+  mox = yax.make_mox(model.apply)(variables, x, 1.0, 0)
+  conds = [e for e in equations(mox, prim='cond') if e.children]
+  assert len(conds) == 2
+  assert all(k[0] == 'branches' for e in conds for k in e.body_keys)
+  (loop,) = [e for e in equations(mox, prim='while') if e.children]
+  assert 'body_jaxpr' in loop.body_keys
+  assert sorted(d.path for d in modules(mox, 'Dense')) == [
+      ('a',), ('a',), ('b',), ('b',), ('loop',)]
+  # The predicate and index are dynamic: other branches run at eval time.
+  for p, i in [(1.0, 0), (-1.0, 0), (1.0, 1), (-2.0, 1)]:
+    expected = model.apply(variables, x, p, i)
+    assert_trees_close(yax.eval_mox(mox, variables, x, p, i), expected)
+    assert_trees_close(jit_eval(mox)(variables, x, jnp.float32(p),
+                                     jnp.int32(i)), expected)
+
+
+@pytest.mark.parametrize('name', ['grad', 'value_and_grad', 'vmap',
+                                  'checkpoint', 'jit', 'jvp'])
+def test_jax_transforms_inside_the_traced_function(name):
+  model = MLP((4, 3))
+  x = jnp.linspace(-1, 1, 6).reshape(2, 3)
+  variables = model.init(KEY, x)
+  loss = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  fn = {
+      'grad': lambda v, x: jax.grad(loss)(v, x),
+      'value_and_grad': lambda v, x: jax.value_and_grad(loss, argnums=1)(v, x),
+      'vmap': lambda v, x: jax.vmap(model.apply, in_axes=(None, 0))(
+          v, x[:, None]),
+      'checkpoint': lambda v, x: jax.checkpoint(model.apply)(v, x),
+      'jit': lambda v, x: jax.jit(model.apply)(v, x),
+      'jvp': lambda v, x: jax.jvp(lambda x: model.apply(v, x), (x,),
+                                  (jnp.ones_like(x),)),
+  }[name]
+  mox = yax.make_mox(fn)(variables, x)
+  assert {d.path for d in modules(mox, 'Dense')} == {('fc0',), ('fc1',)}
+  expected = fn(variables, x)
+  assert_trees_close(yax.eval_mox(mox, variables, x), expected)
+  assert_trees_close(jit_eval(mox)(variables, x), expected)
+
+
+def test_sow_debug_print_and_embed_attend():
+  class Misc(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(10, 4)
+      h = embed(ids)
+      jax.debug.callback(lambda s: None, h.sum())
+      self.sow('intermediates', 'h', h)
+      return embed.attend(nn.Dense(4)(h))
+
+  model = Misc()
+  ids = jnp.array([[1, 2, 3]])
+  variables = model.init(KEY, ids)
+  mox = yax.make_mox(model.apply)(variables, ids, mutable=['intermediates'])
+  embeds = modules(mox, 'Embed')
+  assert [e.entrypoint for e in embeds] == ['__call__', 'attend']
+  assert embeds[0].var_inputs == embeds[1].var_inputs
+  assert equations(mox, prim='debug_callback')
+  expected = model.apply(variables, ids, mutable=['intermediates'])
+  assert_trees_close(
+      yax.eval_mox(mox, variables, ids, mutable=['intermediates']), expected)

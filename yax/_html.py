@@ -313,6 +313,15 @@ function label(i) {
   return {ty: e.tagName, nm: name ? 'name=' + name : '', path: ''};
 }
 
+function ownerPath(i) {
+  // The path of the module call an equation belongs to.
+  for (let p = parentOf[i]; p >= 0; p = parentOf[p]) {
+    const path = isMox(p) && els[p].getAttribute('path');
+    if (path) return path;
+  }
+  return '/';
+}
+
 function shapes(list, max) {
   if (list.length > max) return list.slice(0, max).join(' ') + ' \u2026+' + (list.length - max);
   return list.join(' ');
@@ -440,6 +449,7 @@ function showDetails(i) {
   const lb = label(i);
   const h = el('h2');
   h.append(el('span', isMox(i) ? 'ty' : 'dim', lb.ty), ' ', el('span', 'nm', lb.path || lb.nm));
+  if (!isMox(i)) h.append(' ', el('span', 'dim', 'in ' + ownerPath(i)));
   box.append(h);
   const facts = [];
   if (D.params[i]) facts.push(fmt(D.params[i]) + ' params');
@@ -484,7 +494,8 @@ function ownerId(n) {
 function describe(n) {
   const i = ownerId(n);
   const lb = label(i);
-  const where = lb.ty + ' ' + (lb.path || lb.nm);
+  const where = lb.ty + ' ' + (isMox(i) ? lb.path || lb.nm : (lb.nm ? lb.nm + ' ' : '') +
+    'in ' + ownerPath(i));
   if (n.nodeType === Node.ATTRIBUTE_NODE) return '@' + n.name + '="' + n.value + '"   ' + where;
   if (n.nodeType === Node.ELEMENT_NODE && SYMBOL.has(n.tagName))
     return n.tagName + ' ' + n.textContent + ':' + n.getAttribute('type') + '   ' + where;
