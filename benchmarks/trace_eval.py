@@ -166,7 +166,7 @@ def main(argv=None):
   global CLOCK
   CLOCK = time.process_time if args.clock == 'cpu' else time.perf_counter
   reps = ({'trace': 5, 'first': 3, 'steady': 30, 'eager': 5} if args.small
-          else {'trace': 7, 'first': 3, 'steady': 30, 'eager': 5})
+          else {'trace': 11, 'first': 5, 'steady': 50, 'eager': 9})
   if args.repeats:
     reps['steady'] = args.repeats
 
