@@ -7,6 +7,8 @@ over repeats, measurements interleaved so that machine load hits both alike):
 
 * trace:        ``yax.make_mox(fn)(...)`` / ``jax.make_jaxpr(fn)(...)``
                 (a fresh function object each time: make_jaxpr caches);
+  (floor):      the same ``make_jaxpr`` under a Flax method interceptor that
+                does nothing, i.e. what ``nn.intercept_methods`` alone costs;
 * jit steady:   ``jit(eval_mox)`` / ``jit(fn)`` per call once compiled;
 * jit first:    first call of a fresh ``jit`` (trace + compile + run);
 * eager:        ``eval_mox`` / ``fn`` without ``jit`` (after one warm-up);
@@ -107,18 +109,45 @@ def build_models(small: bool):
   return models
 
 
-def measure(model, x, params, reps: dict) -> dict:
+def _noop_interceptor(next_fun, args, kwargs, context):
+  del context
+  return next_fun(*args, **kwargs)
+
+
+def measure_trace(model, x, params, reps: dict) -> dict:
+  """Tracing costs; run for every model before anything is compiled, so that
+  XLA's worker threads and compiled-program caches do not skew them."""
+  import flax.linen as nn
+
   def call(x, params):
     return model(x, params=params)
 
-  res = {}
-  # Tracing; fresh function objects, so nothing is cached between runs.
+  def intercepted(x, params):
+    with nn.intercept_methods(_noop_interceptor):
+      return call(x, params)
+
+  # Fresh function objects, so nothing is cached between runs.
   mox_t, jaxpr_t = interleaved(
       lambda: yax.make_mox(lambda x, params: call(x, params))(x, params),
       lambda: jax.make_jaxpr(lambda x, params: call(x, params))(x, params)
       .consts,
       reps['trace'])
-  res['trace'] = (mox_t, jaxpr_t)
+  # The floor of any interceptor-based tracer: the same make_jaxpr with a
+  # Flax method interceptor that does nothing.
+  noop_t, jaxpr2_t = interleaved(
+      lambda: jax.make_jaxpr(lambda x, p: intercepted(x, p))(x, params)
+      .consts,
+      lambda: jax.make_jaxpr(lambda x, params: call(x, params))(x, params)
+      .consts,
+      reps['trace'])
+  return {'trace': (mox_t, jaxpr_t), 'noop': (noop_t, jaxpr2_t)}
+
+
+def measure_run(model, x, params, reps: dict) -> dict:
+  def call(x, params):
+    return model(x, params=params)
+
+  res = {}
   mox = yax.make_mox(call)(x, params)
 
   def ev(x, params):
@@ -171,9 +200,13 @@ def main(argv=None):
     reps['steady'] = args.repeats
 
   results = {}
-  for name, model, x in build_models(args.small):
-    print(f'# measuring {name} ...', file=sys.stderr)
-    results[name] = measure(model, x, model.params, reps)
+  models = build_models(args.small)
+  for name, model, x in models:
+    print(f'# tracing {name} ...', file=sys.stderr)
+    results[name] = measure_trace(model, x, model.params, reps)
+  for name, model, x in models:
+    print(f'# running {name} ...', file=sys.stderr)
+    results[name].update(measure_run(model, x, model.params, reps))
 
   names = list(results)
   print(f'jax {jax.__version__}, backend {jax.default_backend()}, '
@@ -196,6 +229,13 @@ def main(argv=None):
       cell = f'{ratio:5.2f} {mark:<4} ({fmt_time(a)} / {fmt_time(b)})'
       row += f' | {cell:^{width}}'
     print(row)
+    if metric == 'trace':  # what a Flax method interceptor alone costs
+      row = f'{" (floor)":<12} {"":>6}'
+      for name in names:
+        a, b = results[name]['noop']
+        cell = f'{a / b:5.2f}      ({fmt_time(a)} / {fmt_time(b)})'
+        row += f' | {cell:^{width}}'
+      print(row)
   row = f'{"FLOPs equal":<12} {"yes":>6}'
   for name in names:
     a, b = results[name]['flops']
