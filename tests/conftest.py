@@ -16,3 +16,34 @@ else:
       suppress_health_check=[hypothesis.HealthCheck.too_slow,
                              hypothesis.HealthCheck.data_too_large])
   hypothesis.settings.load_profile('yax')
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope='session')
+def tiny_bert_mox():
+  """A small FlaxBertModel (random weights, no download), traced HF-style."""
+  import jax.numpy as jnp
+  from transformers import BertConfig, FlaxBertModel
+
+  import yax
+  model = FlaxBertModel(BertConfig(
+      vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+      intermediate_size=37, max_position_embeddings=64), seed=0)
+  ids = jnp.ones((1, 8), jnp.int32)
+  return yax.make_mox(lambda p, x: model(x, params=p))(model.params, ids)
+
+
+@pytest.fixture(scope='session')
+def tiny_resnet_mox():
+  """A small FlaxResNetModel (random weights, no download), traced HF-style."""
+  import jax.numpy as jnp
+  from transformers import FlaxResNetModel, ResNetConfig
+
+  import yax
+  model = FlaxResNetModel(ResNetConfig(
+      embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_channels=3),
+      seed=0)
+  images = jnp.ones((1, 3, 16, 16), jnp.float32)
+  return yax.make_mox(lambda p, x: model(x, params=p))(model.params, images)

@@ -278,24 +278,14 @@ def test_view_is_built_once(net, monkeypatch):
 
 # ------------------------------------------------- third-party models
 
-@pytest.fixture(scope='module')
-def bert():
-  from transformers import BertConfig, FlaxBertModel
-  model = FlaxBertModel(BertConfig(
-      vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-      intermediate_size=37, max_position_embeddings=64), seed=0)
-  ids = jnp.ones((1, 8), jnp.int32)
-  return yax.make_mox(lambda p, x: model(x, params=p))(model.params, ids)
+@pytest.fixture
+def bert(tiny_bert_mox):
+  return tiny_bert_mox
 
 
-@pytest.fixture(scope='module')
-def resnet():
-  from transformers import FlaxResNetModel, ResNetConfig
-  model = FlaxResNetModel(ResNetConfig(
-      embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_channels=3),
-      seed=0)
-  images = jnp.ones((1, 3, 16, 16), jnp.float32)
-  return yax.make_mox(lambda p, x: model(x, params=p))(model.params, images)
+@pytest.fixture
+def resnet(tiny_resnet_mox):
+  return tiny_resnet_mox
 
 
 def test_bert(bert):
