@@ -12,6 +12,12 @@ future JAX, only printing of ``module_call`` nodes degrades (see
 
 from __future__ import annotations
 
+# Why: a new primitive (the boundary markers of `_markers.py`) needs batching,
+# JVP and lowering rules; `jax.interpreters.{ad,batching,mlir}` hold the rule
+# tables JAX documents for that ("How JAX primitives work"), and `jax.extend`
+# does not yet expose them. Imported here so every internal use is in one place.
+from jax.interpreters import ad, batching, mlir  # noqa: E402,F401
+
 try:
   # Why: the building blocks of Jaxpr printing (naming context, settings,
   # printing a list of variables, the `{ lambda ; ... let ... in ... }`

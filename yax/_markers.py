@@ -9,13 +9,14 @@ each enter/exit pair into a ``module_call`` node and drops the markers, so
 they never reach evaluation or compilation.
 
 Only the documented extension points for new primitives are used
-(``jax.extend.core.Primitive`` and the rule tables of ``jax.interpreters``).
+(``jax.extend.core.Primitive`` and the rule tables of ``jax.interpreters``,
+imported through ``_compat``, the one module that touches JAX internals).
 """
 
 from __future__ import annotations
 
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from yax._compat import ad, batching, mlir
 
 enter_p = Primitive('yax_enter')
 enter_p.multiple_results = True
