@@ -30,6 +30,8 @@ from yax._serialize import to_json as to_json
 from yax._lora import LoraResult as LoraResult
 from yax._lora import lora as lora
 from yax._sub import sub as sub
+from yax._summary import SummaryRow as SummaryRow
+from yax._summary import summary as summary
 from yax._trace import make_mox as make_mox
 
 __version__ = '0.1.0'

@@ -254,13 +254,17 @@ def show(model, output):
               'outermost).')
 @click.option('--xla-flops', is_flag=True,
               help="Also compile the model once and report XLA's FLOP count.")
+@click.option('--width', type=click.IntRange(min=20), default=None,
+              help='Fit the table in this many columns (default: the '
+              'terminal width; unlimited when not writing to a terminal).')
 @debug_option
-def summary(model, depth, xla_flops):
-  """Print a table of module calls: path, type, input and output shapes,
-  parameters and matmul/conv FLOPs."""
+def summary(model, depth, xla_flops, width):
+  """Print a table of module calls: path, type, named inputs and outputs,
+  own variables, own and total parameters, FLOPs."""
   from yax import _summary
   mox, label = trace_model(model)
-  _summary.print_table(mox, max_depth=depth, title=label, xla=xla_flops)
+  _summary.print_table(mox, depth=depth, title=label, xla=xla_flops,
+                       width=width)
 
 
 @cli.command()

@@ -2,28 +2,38 @@
 
 Everything is computed from the tree itself, without running the model:
 
-* **params**: the size of the ``params`` collection among the module call's
-  variable inputs (``Mox.var_inputs`` read through ``Mox.var_tree``). A
-  module's variables include those of its submodules, as in Flax. Other
-  collections (``batch_stats``, ...) are reported separately.
-* **FLOPs**: ``2 * M * N * K`` for every ``dot_general`` and the same count
-  for every ``conv_general_dilated`` among the call's equations, including
-  equations inside ``jit``/``custom_jvp_call`` bodies (``scan`` bodies count
-  ``length`` times, ``cond`` its costliest branch, ``while`` its body once).
-  Element-wise work is not counted; for a whole-model figure that includes
-  it, :func:`xla_flops` asks XLA's cost analysis.
+* **inputs / outputs** carry names: arguments are bound to the parameters of
+  the module method (``inspect.signature`` of ``module_ty.<entrypoint>``),
+  arrays show as ``x: f32[2,8]``, static Python values as
+  ``deterministic=True``; dict and dataclass outputs show their keys or
+  fields (``last_hidden_state: f32[1,8,32]``).
+* **variables**: the module's *own* variables (not its submodules') with
+  their types, ``kernel: f32[64,64]``; collections other than ``params`` are
+  prefixed (``batch_stats/mean: f32[3]``).
+* **params**: own (the module's own ``params`` leaves) and total (including
+  submodules, as Flax counts a module's variables).
+* **FLOPs**: every equation of the call (submodules included), by the rule
+  table of :mod:`yax._flops`: matmuls, convolutions and element-wise work.
+* A call of another method of the *same* module instance from inside one of
+  its methods (a helper such as ``_split_heads``) is folded into the calling
+  row: no row of its own; its work is already counted in the caller's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
+import shutil
+import sys
 from typing import Iterator
 
 import jax
 import numpy as np
 from jax.extend import core as jex
 
+from yax import _flops
 from yax._eval import dynamic, to_jaxpr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
 
@@ -32,64 +42,18 @@ PARAMS = 'params'
 
 # --------------------------------------------------------------- FLOPs
 
-def _size(aval) -> int:
-  shape = getattr(aval, 'shape', None)
-  return int(math.prod(shape)) if shape is not None else 0
-
-
-def _sub_jaxprs(params: dict) -> Iterator[jex.Jaxpr]:
-  for value in params.values():
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-      if isinstance(item, jex.ClosedJaxpr):
-        yield item.jaxpr
-      elif isinstance(item, jex.Jaxpr):
-        yield item
-
-
-def equation_flops(prim: str, in_avals, out_avals, params: dict) -> int:
-  """Multiply-add FLOPs (2 per multiply-accumulate) of one equation."""
-  if prim == 'dot_general':
-    (lhs_contract, _), _ = params['dimension_numbers']
-    k = math.prod(in_avals[0].shape[d] for d in lhs_contract)
-    return 2 * _size(out_avals[0]) * k
-  if prim == 'conv_general_dilated':
-    rhs = in_avals[1].shape
-    out_feature_dim = params['dimension_numbers'].rhs_spec[0]
-    per_output = math.prod(rhs) // max(rhs[out_feature_dim], 1)
-    return 2 * _size(out_avals[0]) * per_output
-  bodies = [jaxpr_flops(j) for j in _sub_jaxprs(params)]
-  if not bodies:
-    return 0
-  if prim == 'cond':
-    return max(bodies)
-  total = sum(bodies)
-  if prim == 'scan':
-    total *= int(params.get('length', 1))
-  return total
-
-
-def jaxpr_flops(jaxpr: jex.Jaxpr) -> int:
-  return sum(
-      equation_flops(e.primitive.name, [v.aval for v in e.invars],
-                     [v.aval for v in e.outvars], e.params)
-      for e in jaxpr.eqns)
-
-
 def flops(expr: Expr) -> int:
-  """Matmul and convolution FLOPs of a node (see the module docstring)."""
+  """FLOPs of a node and everything under it (:mod:`yax._flops` rules)."""
   eqns = [expr] if isinstance(expr, Equation) else leaf_equations(expr)
   return sum(
-      equation_flops(e.prim.name, [s.aval for s in e.inputs],
-                     [s.aval for s in e.outputs], e.params)
+      _flops.equation_flops(e.prim.name, [s.aval for s in e.inputs],
+                            [s.aval for s in e.outputs], e.params)
       for e in eqns)
 
 
-def xla_flops(mox: Mox) -> float | None:
-  """FLOPs of the whole tree by XLA's cost analysis (compiles it once).
-
-  Returns ``None`` when the backend gives no estimate.
-  """
+def xla_cost(mox: Mox) -> dict[str, float] | None:
+  """XLA's cost analysis of the whole tree (compiles it once): a dict with
+  ``flops`` and ``transcendentals``; ``None`` when the backend gives none."""
   closed = to_jaxpr(mox)
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
            for v in closed.jaxpr.invars]
@@ -99,20 +63,35 @@ def xla_flops(mox: Mox) -> float | None:
     cost = cost[0] if cost else None
   if not cost or 'flops' not in cost:
     return None
-  return float(cost['flops'])
+  return {'flops': float(cost['flops']),
+          'transcendentals': float(cost.get('transcendentals', 0.0))}
+
+
+def xla_flops(mox: Mox) -> float | None:
+  """``flops + transcendentals`` of :func:`xla_cost` (the convention of
+  :func:`flops`, which counts a transcendental as one FLOP)."""
+  cost = xla_cost(mox)
+  return None if cost is None else cost['flops'] + cost['transcendentals']
 
 
 # ----------------------------------------------------------- variables
+
+def _var_tree(mox: Mox):
+  if not isinstance(mox, Mox) or mox.num_vars == 0:
+    return None
+  try:
+    tree = jax.tree_util.tree_unflatten(mox.var_tree, mox.var_inputs)
+  except Exception:  # noqa: BLE001 - a rewritten node with an odd var_tree
+    return None
+  return tree if isinstance(tree, dict) or hasattr(tree, 'items') else None
+
 
 def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
   """The module call's variable inputs grouped by collection name."""
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
-  try:
-    tree = jax.tree_util.tree_unflatten(mox.var_tree, mox.var_inputs)
-  except Exception:  # noqa: BLE001 - a rewritten node with an odd var_tree
-    return {'variables': list(mox.var_inputs)}
-  if not isinstance(tree, dict):
+  tree = _var_tree(mox)
+  if tree is None:
     return {'variables': list(mox.var_inputs)}
   groups = {}
   for collection, sub in tree.items():
@@ -122,11 +101,28 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
   return groups
 
 
+def own_variables(mox: Mox) -> dict[str, dict[str, Symbol]]:
+  """``{collection: {name: symbol}}`` of the module's own variables: the
+  leaves directly under each collection (submodules are sub-dicts)."""
+  tree = _var_tree(mox)
+  if tree is None:
+    return {}
+  out: dict[str, dict[str, Symbol]] = {}
+  for collection, sub in tree.items():
+    if not hasattr(sub, 'items'):
+      continue
+    own = {str(k): v for k, v in sub.items() if isinstance(v, Symbol)}
+    if own:
+      out[str(collection)] = own
+  return out
+
+
 def count(symbols) -> tuple[int, int]:
   """(number of scalars, bytes) of the given symbols."""
   n = nbytes = 0
   for s in symbols:
-    size = _size(s.aval)
+    size = int(math.prod(getattr(s.aval, 'shape', ()) or ())) \
+        if getattr(s.aval, 'shape', None) is not None else 0
     n += size
     dtype = getattr(s.aval, 'dtype', None)
     if dtype is not None:
@@ -135,6 +131,7 @@ def count(symbols) -> tuple[int, int]:
 
 
 def param_count(mox: Mox) -> int:
+  """Total ``params`` of a module call, its submodules' included."""
   return count(variable_groups(mox).get(PARAMS, ()))[0]
 
 
@@ -164,8 +161,6 @@ def outermost_calls(mox: Expr) -> Iterator[Mox]:
     stack.extend(reversed(node.children))
 
 
-# ------------------------------------------------------------------ rows
-
 def module_calls(mox: Expr) -> Iterator[Mox]:
   """Non-ephemeral module calls, pre-order (also inside scan/remat bodies)."""
   stack = [mox]
@@ -176,54 +171,215 @@ def module_calls(mox: Expr) -> Iterator[Mox]:
     stack.extend(reversed(node.children))
 
 
+# ------------------------------------------------------- names and types
+
+_STATIC_LIMIT = 24
+
+
 def type_text(sym: Symbol) -> str:
   """``f32[2,8]`` for arrays; the value for static Python inputs."""
   if isinstance(sym, Literal) and sym.is_static:
     text = repr(sym.value)
-    return text if len(text) <= 24 else text[:21] + '...'
+    return text if len(text) <= _STATIC_LIMIT else text[:_STATIC_LIMIT - 3] + '...'
   return sym.type_str
 
 
-@dataclasses.dataclass
-class Row:
-  node: Mox
-  depth: int
+def _is_static(value) -> bool:
+  return value is None or (isinstance(value, Literal) and value.is_static)
+
+
+def _static_text(value) -> str:
+  return 'None' if value is None else type_text(value)
+
+
+_MAX_LEAVES = 6
+
+
+def value_text(value) -> str:
+  """A pytree of symbols as text: a type, ``{k: type, ...}``, ``(type, ...)``;
+  more than a few arrays as ``N arrays (M values)``."""
+  if isinstance(value, Symbol) or value is None:
+    return _static_text(value) if _is_static(value) else value.type_str
+  leaves = [s for s in jax.tree_util.tree_leaves(value) if isinstance(s, Symbol)]
+  arrays = [s for s in leaves if not _is_static(s)]
+  if len(leaves) > _MAX_LEAVES:
+    n = count(arrays)[0]
+    return f'{len(arrays)} arrays ({n:,} values)'
+
+  def fmt(v):
+    if isinstance(v, Symbol) or v is None:
+      return _static_text(v) if _is_static(v) else v.type_str
+    if hasattr(v, 'items'):
+      return '{' + ', '.join(f'{k}: {fmt(x)}' for k, x in v.items()) + '}'
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+      return '{' + ', '.join(f'{f.name}: {fmt(getattr(v, f.name))}'
+                             for f in dataclasses.fields(v)) + '}'
+    if isinstance(v, (tuple, list)):
+      return '(' + ', '.join(fmt(x) for x in v) + ')'
+    return type(v).__name__
+  return fmt(value)
+
+
+def _named(name: str | None, value) -> str:
+  if name is None:
+    return value_text(value)
+  if _is_static(value):
+    return f'{name}={_static_text(value)}'
+  return f'{name}: {value_text(value)}'
+
+
+def _signature(mox: Mox):
+  fn = getattr(mox.module_ty, mox.entrypoint or '__call__', None)
+  if fn is None:
+    return None
+  try:
+    return inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+
+
+def input_texts(mox: Mox) -> list[str]:
+  """The call's arguments with their parameter names (see module doc)."""
+  leaves = mox.arg_inputs
+  try:
+    args, kwargs = jax.tree_util.tree_unflatten(mox.in_tree, leaves)
+  except Exception:  # noqa: BLE001 - no usable in_tree: types only
+    return [type_text(s) for s in leaves]
+  sig = _signature(mox)
+  bound = None
+  if sig is not None:
+    try:
+      bound = sig.bind(None, *args, **kwargs)  # None stands for self
+    except TypeError:
+      bound = None
+  if bound is None:
+    return ([_named(None, a) for a in args] +
+            [_named(k, v) for k, v in kwargs.items()])
+  out = []
+  for i, (name, value) in enumerate(bound.arguments.items()):
+    if i == 0:
+      continue  # self
+    kind = sig.parameters[name].kind
+    if kind is inspect.Parameter.VAR_POSITIONAL:
+      out.extend(_named(None, v) for v in value)
+    elif kind is inspect.Parameter.VAR_KEYWORD:
+      out.extend(_named(k, v) for k, v in value.items())
+    else:
+      out.append(_named(name, value))
+  return out
+
+
+def output_texts(mox: Mox) -> list[str]:
+  """The results; dict keys and dataclass fields name them."""
+  try:
+    tree = jax.tree_util.tree_unflatten(mox.out_tree, mox.outputs)
+  except Exception:  # noqa: BLE001 - no usable out_tree: types only
+    return [type_text(s) for s in mox.outputs]
+  if isinstance(tree, Symbol):
+    return [type_text(tree)]
+  if hasattr(tree, 'items'):  # dict, FrozenDict, HF ModelOutput
+    return [_named(str(k), v) for k, v in tree.items()]
+  if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    return [_named(f.name, getattr(tree, f.name))
+            for f in dataclasses.fields(tree)]
+  if isinstance(tree, (tuple, list)):
+    fields = getattr(tree, '_fields', None)  # namedtuple
+    if fields:
+      return [_named(k, v) for k, v in zip(fields, tree)]
+    return [value_text(v) for v in tree]
+  return [value_text(tree)]
+
+
+def variable_texts(mox: Mox) -> list[str]:
+  """The module's own variables, ``kernel: f32[64,64]``."""
+  out = []
+  for collection, own in own_variables(mox).items():
+    prefix = '' if collection == PARAMS else collection + '/'
+    out.extend(f'{prefix}{k}: {s.type_str}' for k, s in own.items())
+  return out
+
+
+# ------------------------------------------------------------------ rows
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+  """One module call of :func:`summary`.
+
+  ``path`` is the Flax scope path joined with ``/`` (``''`` for the
+  outermost module); ``method`` the entrypoint; ``inputs``, ``outputs`` and
+  ``variables`` are display strings (``x: f32[2,8]``,
+  ``deterministic=True``, ``kernel: f32[64,64]``); ``own_params`` counts the
+  module's own ``params``, ``params`` also its submodules' (with
+  ``param_bytes`` bytes); ``other_vars`` counts other collections
+  (``{'batch_stats': 6}``); ``flops`` counts the whole call (see
+  :mod:`yax._flops`); ``node`` is the :class:`~yax.Mox` itself.
+  """
   path: str
   module: str
-  inputs: list[str]
-  outputs: list[str]
+  method: str
+  depth: int
+  inputs: tuple[str, ...]
+  outputs: tuple[str, ...]
+  variables: tuple[str, ...]
+  own_params: int
   params: int
   param_bytes: int
   other_vars: dict[str, int]
   flops: int
+  node: Mox = dataclasses.field(repr=False, compare=False)
+
+  @property
+  def type(self) -> str:
+    """``Dense``, or ``Type.method`` for a method other than ``__call__``."""
+    if self.method in ('', '__call__'):
+      return self.module
+    return f'{self.module}.{self.method}'
 
 
-def rows(mox: Mox, max_depth: int | None = None) -> list[Row]:
-  """One :class:`Row` per module call, pre-order; ``max_depth`` counts module
-  nesting from 0 (the outermost module calls)."""
-  out: list[Row] = []
+def _is_helper(node: Mox, owner: Mox | None) -> bool:
+  return (owner is not None and node.path == owner.path
+          and node.module_ty is owner.module_ty
+          and node.entrypoint not in (None, '__call__'))
 
-  def visit(node: Expr, depth: int):
+
+def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
+  """The module table of ``mox``: one :class:`SummaryRow` per module call.
+
+  **Arguments:**
+  - ``mox``: a tree from :func:`yax.make_mox` (or any node of it).
+  - ``depth``: keep module calls nested at most this deep (0: only the
+    outermost ones); ``None`` keeps all.
+
+  **Returns:** rows in call order (pre-order). Helper-method calls of a
+  module from inside itself are folded into the caller's row (see the
+  module doc).
+  """
+  out: list[SummaryRow] = []
+
+  def visit(node: Expr, level: int, owner: Mox | None):
     if isinstance(node, Mox) and not node.is_ephemeral:
-      if max_depth is not None and depth > max_depth:
+      if _is_helper(node, owner):
+        for child in node.children:
+          visit(child, level, owner)
+        return
+      if depth is not None and level > depth:
         return
       groups = variable_groups(node)
       n, nbytes = count(groups.pop(PARAMS, ()))
-      module = node.type_name
-      if node.entrypoint not in (None, '__call__'):
-        module = f'{module}.{node.entrypoint}'
-      out.append(Row(
-          node=node, depth=depth, path='/'.join(node.path), module=module,
-          inputs=[type_text(s) for s in node.arg_inputs],
-          outputs=[type_text(s) for s in node.outputs],
-          params=n, param_bytes=nbytes,
+      own = own_variables(node).get(PARAMS, {})
+      out.append(SummaryRow(
+          path='/'.join(node.path), module=node.type_name or '',
+          method=node.entrypoint or '__call__', depth=level,
+          inputs=tuple(input_texts(node)), outputs=tuple(output_texts(node)),
+          variables=tuple(variable_texts(node)),
+          own_params=count(own.values())[0], params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
-          flops=flops(node)))
-      depth += 1
+          flops=flops(node), node=node))
+      level, owner = level + 1, node
     for child in node.children:
-      visit(child, depth)
+      visit(child, level, owner)
 
-  visit(mox, 0)
+  visit(mox, 0, None)
   return out
 
 
@@ -238,56 +394,206 @@ def human_bytes(n: float) -> str:
   return f'{n:.1f} GB'  # pragma: no cover
 
 
-def _shapes(items: list[str], limit: int = 4) -> str:
-  if len(items) > limit:
-    items = items[:limit] + [f'... (+{len(items) - limit})']
-  return '\n'.join(items)
+def _tokens(line: str) -> list[str]:
+  """Pieces a line may be broken between: after a space, a ``", "``, a
+  ``/`` or a ``=`` (the separator stays with the piece before it). ``f32[2,8]`` has no
+  break point."""
+  return [t for t in re.findall(r'.*?(?:, | |/|=|$)', line) if t]
 
 
-def make_table(mox: Mox, *, max_depth: int | None = None, title: str | None = None,
-               xla: bool = False):
-  """The summary as a ``rich.table.Table``."""
-  from rich.table import Table
+def _wrap(line: str, width: int) -> list[str]:
+  """Greedy wrapping at spaces and after commas; never inside a word (a
+  word longer than ``width`` gets a line of its own)."""
+  out, cur = [], ''
+  for tok in _tokens(line):
+    if cur and len((cur + tok).rstrip()) > width:
+      out.append(cur.rstrip())
+      cur = tok.lstrip()
+    else:
+      cur += tok
+  if cur.strip() or not out:
+    out.append(cur.rstrip())
+  return out
 
-  table = Table(title=title, title_justify='left', caption_justify='left')
-  table.add_column('path', style='cyan', overflow='fold')
-  table.add_column('module', style='bold', no_wrap=True)
-  table.add_column('inputs', overflow='fold')
-  table.add_column('outputs', overflow='fold')
-  table.add_column('params', justify='right', no_wrap=True)
-  table.add_column('FLOPs (dot/conv)', justify='right', no_wrap=True)
-  for row in rows(mox, max_depth):
-    path = row.path or "(top)"
-    params = ''
-    if row.params:
-      params = f'{row.params:,} [dim]({human_bytes(row.param_bytes)})[/dim]'
-    for k, v in row.other_vars.items():
-      params += f'\n[dim]{k}: {v:,}[/dim]'
-    table.add_row(path, row.module, _shapes(row.inputs), _shapes(row.outputs),
-                  params.lstrip('\n'), f'{row.flops:,}' if row.flops else '')
+
+def _min_width(cell: str) -> int:
+  return max((len(t.rstrip()) for line in cell.split('\n')
+              for t in _tokens(line)), default=0)
+
+
+def _natural_width(cell: str) -> int:
+  return max((len(line) for line in cell.split('\n')), default=0)
+
+
+@dataclasses.dataclass
+class _Column:
+  header: str
+  right: bool = False
+  wrap: bool = True  # False: never wrapped (numbers)
+
+
+def render_table(columns: list[_Column], cells: list[list[str]],
+                 width: int | None) -> list[str]:
+  """A box-drawn table whose cells wrap at spaces/commas to fit ``width``
+  (``None``: as wide as needed). Lines carry no trailing spaces."""
+  n = len(columns)
+  all_rows = [[c.header for c in columns]] + cells
+  natural = [max(_natural_width(r[i]) for r in all_rows) for i in range(n)]
+  for i, c in enumerate(columns):
+    if not c.wrap:  # the header may wrap, the numbers may not
+      natural[i] = max([_min_width(c.header)] +
+                       [_natural_width(r[i]) for r in cells])
+  minimal = [max(_min_width(r[i]) for r in all_rows) if columns[i].wrap
+             else natural[i] for i in range(n)]
+  widths = list(natural)
+  if width is not None:
+    budget = width - (3 * n + 1)
+    while sum(widths) > budget:
+      # Shrink the column with the most room above its minimum.
+      slack = [w - m for w, m in zip(widths, minimal)]
+      i = max(range(n), key=lambda k: (slack[k], widths[k]))
+      if slack[i] <= 0:
+        break  # cannot fit without breaking words: let it overflow
+      widths[i] -= 1
+
+  def layout(row: list[str]) -> list[str]:
+    blocks = []
+    for i, cell in enumerate(row):
+      lines = []
+      for line in cell.split('\n'):
+        lines.extend(_wrap(line, widths[i]))
+      blocks.append(lines)
+    height = max(len(b) for b in blocks)
+    out = []
+    for k in range(height):
+      parts = []
+      for i, b in enumerate(blocks):
+        text = b[k] if k < len(b) else ''
+        parts.append(text.rjust(widths[i]) if columns[i].right
+                     else text.ljust(widths[i]))
+      out.append('│ ' + ' │ '.join(parts) + ' │')
+    return out
+
+  def rule(left, mid, right, fill='─'):
+    return left + mid.join(fill * (w + 2) for w in widths) + right
+
+  lines = [rule('┌', '┬', '┐')]
+  lines += layout([c.header for c in columns])
+  lines.append(rule('╞', '╪', '╡', '═'))
+  for k, row in enumerate(cells):
+    if k:
+      lines.append(rule('├', '┼', '┤'))
+    lines += layout(row)
+  lines.append(rule('└', '┴', '┘'))
+  return lines
+
+
+def _params_cell(row: SummaryRow) -> str:
+  if not row.params:
+    text = ''
+  else:
+    text = f'{row.params:,}\n({human_bytes(row.param_bytes)})'
+  for k, v in row.other_vars.items():
+    text += f'\n{k}: {v:,}'
+  return text.lstrip('\n')
+
+
+def _count(n: int) -> str:
+  return f'{n:,}' if n else ''
+
+
+# Layouts from the widest to the most compact: the first whose unbreakable
+# words fit the width is used. Each column: (header, cell(row), right, wrap).
+_LAYOUTS = [
+    [('path', lambda r: r.path or '(top)', False, True),
+     ('module', lambda r: r.type, False, True),
+     ('inputs', lambda r: '\n'.join(r.inputs), False, True),
+     ('outputs', lambda r: '\n'.join(r.outputs), False, True),
+     ('variables', lambda r: '\n'.join(r.variables), False, True),
+     ('own params', lambda r: _count(r.own_params), True, False),
+     ('params', _params_cell, True, False),
+     ('FLOPs', lambda r: _count(r.flops), True, False)],
+    [('path / module', lambda r: (r.path or '(top)') + '\n' + r.type, False, True),
+     ('inputs', lambda r: '\n'.join(r.inputs), False, True),
+     ('outputs', lambda r: '\n'.join(r.outputs), False, True),
+     ('variables', lambda r: '\n'.join(r.variables), False, True),
+     ('own params', lambda r: _count(r.own_params), True, False),
+     ('params', _params_cell, True, False),
+     ('FLOPs', lambda r: _count(r.flops), True, False)],
+    [('path / module', lambda r: (r.path or '(top)') + '\n' + r.type, False, True),
+     ('inputs \u2192 outputs', lambda r: '\n'.join(
+         list(r.inputs) + ['\u2192 ' + o for o in r.outputs]), False, True),
+     ('variables', lambda r: '\n'.join(
+         list(r.variables) + ([f'own: {r.own_params:,}'] if r.own_params
+                              and r.own_params != r.params else [])),
+      False, True),
+     ('params', _params_cell, True, False),
+     ('FLOPs', lambda r: _count(r.flops), True, False)],
+]
+
+
+def _min_table_width(columns: list[_Column], cells: list[list[str]]) -> int:
+  n = len(columns)
+  total = 3 * n + 1
+  for i, c in enumerate(columns):
+    rows = [r[i] for r in cells]
+    total += max([_min_width(c.header)] + [
+        _min_width(x) if c.wrap else _natural_width(x) for x in rows])
+  return total
+
+
+def format_summary(mox: Mox, *, depth: int | None = None,
+                   title: str | None = None, width: int | None = None,
+                   xla: bool = False) -> str:
+  """The summary as text: a title line, the table (see
+  :func:`render_table`) and totals. ``width=None`` does not limit it.
+
+  When the table does not fit ``width`` without breaking a word, columns
+  are merged (path with module; then inputs with outputs and own params
+  with variables); if even that does not fit, it is wider than ``width``.
+  """
+  rows = summary(mox, depth=depth)
+  for layout in _LAYOUTS:
+    columns = [_Column(h, right=right, wrap=wrap) for h, _, right, wrap in layout]
+    cells = [[cell(row) for _, cell, _, _ in layout] for row in rows]
+    if width is None or _min_table_width(columns, cells) <= width:
+      break
+  lines = [title] if title else []
+  lines += render_table(columns, cells, width)
   n, nbytes = total_params(mox)
   calls = sum(1 for _ in module_calls(mox))
-  eqns = sum(1 for _ in leaf_equations(mox))
-  caption = [f'Total params: {n:,} ({human_bytes(nbytes)})',
-             f'FLOPs (dot_general + conv): {flops(mox):,}']
+  eqns = list(leaf_equations(mox))
+  lines.append(f'Total params: {n:,} ({human_bytes(nbytes)})')
+  lines.append(f'FLOPs: {flops(mox):,} (matmul, convolution and element-wise '
+               'work; a transcendental counts as one)')
+  missing = _flops.uncounted_primitives(eqns)
+  if missing:
+    lines.append('Not counted (no FLOP rule): ' + ', '.join(sorted(missing)))
   if xla:
-    estimate = xla_flops(mox)
-    caption.append('FLOPs (XLA cost analysis, whole model): ' + (
-        f'{estimate:,.0f}' if estimate is not None else 'not available'))
-  caption.append(f'{calls} module calls, {eqns} equations, '
-                 f'{len(dynamic(mox.inputs))} inputs')
-  table.caption = '\n'.join(caption)
-  return table
+    cost = xla_cost(mox)
+    lines.append('XLA cost analysis (compiled, whole model): ' + (
+        f"{cost['flops'] + cost['transcendentals']:,.0f} FLOPs "
+        f"({cost['flops']:,.0f} flops + {cost['transcendentals']:,.0f} "
+        'transcendentals)' if cost is not None else 'not available'))
+  lines.append(f'{calls} module calls, {len(eqns)} equations, '
+               f'{len(dynamic(mox.inputs))} inputs')
+  out = []
+  for line in lines:
+    out.extend(_wrap(line, width) if width and len(line) > width else [line])
+  return '\n'.join(line.rstrip() for line in out) + '\n'
 
 
-def print_table(mox: Mox, *, file=None, **kwargs):
-  """Prints :func:`make_table`; when not writing to a terminal the table gets
-  the width it needs instead of being folded to 80 columns."""
-  from rich.console import Console
-  table = make_table(mox, **kwargs)
-  console = Console(file=file, soft_wrap=False)
-  if not console.is_terminal:
-    wide = Console(file=file, width=100_000)
-    width = wide.measure(table, options=wide.options).maximum
-    console = Console(file=file, width=max(width, 80), soft_wrap=False)
-  console.print(table)
+def print_table(mox: Mox, *, file=None, width: int | None = None, **kwargs):
+  """Prints :func:`format_summary`: as wide as the terminal when writing to
+  one (``width`` overrides), as wide as needed otherwise."""
+  file = file if file is not None else sys.stdout
+  if width is None and _isatty(file):
+    width = shutil.get_terminal_size().columns
+  file.write(format_summary(mox, width=width, **kwargs))
+
+
+def _isatty(file) -> bool:
+  try:
+    return file.isatty()
+  except (AttributeError, ValueError):
+    return False

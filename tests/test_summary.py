@@ -1,0 +1,262 @@
+"""yax.summary and `yax summary`: names, variables, params and FLOPs compared
+with Flax's own nn.tabulate and XLA's cost analysis on the same models."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+from yax import _flops, _summary
+
+from helpers import flops as xla_cost_flops
+
+ANSI = re.compile(r'\x1b\[[0-9;]*m')
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    h = nn.Dense(16, name='fc')(x)
+    h = nn.relu(h)
+    h = nn.LayerNorm(name='ln')(h)
+    return {'out': nn.Dense(4, name='proj')(h), 'hidden': h}
+
+
+class Heads(nn.Module):
+  """A module whose __call__ uses a helper method, as HF's attention does."""
+  num_heads: int = 2
+
+  def _split(self, x):
+    return x.reshape(x.shape[:-1] + (self.num_heads, -1)) * 2.0
+
+  @nn.compact
+  def __call__(self, x):
+    q = self._split(nn.Dense(8, name='q')(x))
+    return q.sum(-1)
+
+
+def _count(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _tabulate_flops(module, x) -> dict[str, int]:
+  """{path: flops} parsed from nn.tabulate(..., compute_flops=True)."""
+  text = nn.tabulate(module, jax.random.key(0), compute_flops=True,
+                     console_kwargs={'width': 400})(x)
+  out = {}
+  for line in ANSI.sub('', text).splitlines():
+    cells = [c.strip() for c in line.split('│')]
+    if len(cells) >= 6 and cells[2] and cells[5].isdigit():
+      out[cells[1]] = int(cells[5])
+  return out
+
+
+@pytest.fixture(scope='module')
+def block():
+  m = Block()
+  x = jnp.ones((2, 8))
+  variables = m.init(jax.random.key(0), x)
+  mox = yax.make_mox(m.apply)(variables, x, deterministic=True)
+  return m, x, variables, mox
+
+
+def test_rows_name_inputs_outputs_and_variables(block):
+  _, x, variables, mox = block
+  rows = {r.path: r for r in yax.summary(mox)}
+  assert list(rows) == ['', 'fc', 'ln', 'proj']
+  top = rows['']
+  assert top.module == 'Block' and top.method == '__call__'
+  assert top.inputs == ('x: f32[2,8]', 'deterministic=True')
+  # A dict output shows its keys (Flax returns dicts with sorted keys).
+  assert top.outputs == ('hidden: f32[2,16]', 'out: f32[2,4]')
+  assert rows['fc'].inputs == ('inputs: f32[2,8]',)  # Dense.__call__(inputs)
+  assert rows['ln'].inputs == ('x: f32[2,16]',)      # LayerNorm.__call__(x, ...)
+  params = variables['params']
+  for path in ('fc', 'ln', 'proj'):
+    want = tuple(f'{k}: f32[{",".join(map(str, v.shape))}]'
+                 for k, v in sorted(params[path].items()))  # pytree order
+    assert rows[path].variables == want
+    assert rows[path].own_params == rows[path].params == _count(params[path])
+  assert top.variables == () and top.own_params == 0
+  assert top.params == _count(params)
+
+
+def test_flops_match_tabulate_and_xla(block):
+  m, x, _, mox = block
+  rows = {r.path: r for r in yax.summary(mox)}
+  tab = _tabulate_flops(m, x)
+  assert set(tab) == {'', 'fc', 'ln', 'proj'}, tab
+  # Dense: 2*M*N*K for the matmul plus one add per output for the bias; no
+  # transcendental, so yax and Flax's XLA-based figure agree exactly.
+  assert rows['fc'].flops == tab['fc'] == 2 * 2 * 8 * 16 + 2 * 16
+  assert rows['proj'].flops == tab['proj'] == 2 * 2 * 16 * 4 + 2 * 4
+  # LayerNorm computes one rsqrt per normalized row (2 rows). XLA counts it
+  # under `transcendentals`, not `flops`; yax counts it as one FLOP each.
+  assert rows['ln'].flops == tab['ln'] + 2
+  assert rows[''].flops == tab[''] + 2
+  # The whole model against XLA with the same convention (flops +
+  # transcendentals). Before optimization the HLO is the Jaxpr one to one:
+  # exact. The compiled module fuses element-wise work and recomputes some
+  # of it inside fusions (here the LayerNorm statistics), which XLA counts
+  # again: allow 15% above, nothing below.
+  lowered = jax.jit(m.apply).lower(block[2], x)
+  assert _summary.flops(mox) == _xla(lowered.cost_analysis())
+  compiled = _xla(lowered.compile().cost_analysis())
+  assert _summary.flops(mox) <= compiled <= 1.15 * _summary.flops(mox)
+  assert _summary.xla_flops(mox) == compiled
+
+
+def _xla(cost) -> float:
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return cost.get('flops', 0) + cost.get('transcendentals', 0)
+
+
+def test_helper_methods_are_folded_into_their_module():
+  m = Heads()
+  x = jnp.ones((3, 4))
+  variables = m.init(jax.random.key(0), x)
+  mox = yax.make_mox(m.apply)(variables, x)
+  # The helper is a module call in the tree...
+  helpers = [n for n in _summary.module_calls(mox) if n.entrypoint == '_split']
+  assert len(helpers) == 1
+  rows = yax.summary(mox)
+  # ...but not a row: Heads and its Dense only.
+  assert [(r.path, r.type) for r in rows] == [('', 'Heads'), ('q', 'Dense')]
+  # Its work (a multiply per element) stays in the caller's count.
+  compiled = jax.jit(m.apply).lower(variables, x).compile()
+  assert rows[0].flops == round(xla_cost_flops(compiled))
+  assert rows[0].flops == rows[1].flops + 3 * 8 + (3 * 8 - 3 * 2)
+
+
+def test_method_other_than_call_shows_in_type():
+  class Enc(nn.Module):
+    @nn.compact
+    def encode(self, x):
+      return nn.Dense(3)(x)
+  m = Enc()
+  x = jnp.ones((1, 2))
+  variables = m.init(jax.random.key(0), x, method=Enc.encode)
+  mox = yax.make_mox(lambda v, x: m.apply(v, x, method=Enc.encode))(variables, x)
+  (top, dense) = yax.summary(mox)
+  assert top.type == 'Enc.encode' and top.inputs == ('x: f32[1,2]',)
+  assert dense.type == 'Dense'
+
+
+def test_other_collections_and_shared_modules():
+  m = nn.BatchNorm(use_running_average=True)
+  x = jnp.ones((2, 3))
+  variables = m.init(jax.random.key(0), x)
+  (row,) = yax.summary(yax.make_mox(m.apply)(variables, x))
+  assert row.params == 6 and row.other_vars == {'batch_stats': 6}
+  assert set(row.variables) == {'bias: f32[3]', 'scale: f32[3]',
+                               'batch_stats/mean: f32[3]', 'batch_stats/var: f32[3]'}
+
+  class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.Dense(4)
+      return dense(dense(x))
+  s = Shared()
+  x = jnp.ones((1, 4))
+  variables = s.init(jax.random.key(0), x)
+  mox = yax.make_mox(s.apply)(variables, x)
+  assert [r.type for r in yax.summary(mox)] == ['Shared', 'Dense', 'Dense']
+  assert _summary.total_params(mox)[0] == _count(variables['params']) == 20
+
+
+def test_hf_bert_rows(tiny_bert_mox):
+  rows = yax.summary(tiny_bert_mox)
+  # No helper-method rows (FlaxBertSelfAttention._split_heads is folded).
+  assert all(r.method == '__call__' for r in rows)
+  top = rows[0]
+  assert 'deterministic=True' in top.inputs
+  assert top.outputs[0].startswith('last_hidden_state: f32[1,8,32]')
+  (query,) = [r for r in rows if r.path == 'encoder/layer/0/attention/self/query']
+  assert query.variables == ('bias: f32[32]', 'kernel: f32[32,32]')
+  (self_attn,) = [r for r in rows if r.path == 'encoder/layer/0/attention/self']
+  assert self_attn.own_params == 0 and self_attn.params == 3 * (32 * 32 + 32)  # q, k, v
+  assert [r.path for r in yax.summary(tiny_bert_mox, depth=0)] == ['']
+
+
+# ------------------------------------------------------------- FLOP rules
+
+@pytest.mark.parametrize('name,f', [
+    ('add', lambda x, y: x + y), ('div', lambda x, y: x / y),
+    ('max', jnp.maximum), ('where', lambda x, y: jnp.where(x > y, x, y)),
+    ('exp', lambda x, y: jnp.exp(x)), ('tanh', lambda x, y: jnp.tanh(x)),
+    ('pow3', lambda x, y: x ** 3), ('sum', lambda x, y: x.sum(-1)),
+    ('mean', lambda x, y: x.mean(0)), ('softmax', lambda x, y: jax.nn.softmax(x)),
+    ('gelu', lambda x, y: jax.nn.gelu(x)), ('silu', lambda x, y: jax.nn.silu(x)),
+    ('relu', lambda x, y: jax.nn.relu(x)), ('matmul', lambda x, y: x @ y.T),
+    ('rsqrt', lambda x, y: jax.lax.rsqrt(x)), ('sigmoid', lambda x, y: jax.nn.sigmoid(x)),
+])
+def test_flop_rules_match_xla(name, f):
+  x, y = jnp.ones((4, 8)), jnp.ones((4, 8))
+  mox = yax.make_mox(f)(x, y)
+  lowered = jax.jit(f).lower(x, y)
+  # Exact against the unoptimized HLO: these primitives map one to one onto
+  # XLA operations. The compiled figure may only differ by fusion
+  # recomputation (at most 10% more here).
+  assert _summary.flops(mox) == _xla(lowered.cost_analysis())
+  compiled = _xla(lowered.compile().cost_analysis())
+  assert _summary.flops(mox) <= compiled <= 1.1 * _summary.flops(mox)
+
+
+def test_conv_and_scan_flops():
+  x, w = jnp.ones((2, 3, 8, 8)), jnp.ones((5, 3, 3, 3))
+  f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), 'VALID')
+  compiled = jax.jit(f).lower(x, w).compile()
+  assert _summary.flops(yax.make_mox(f)(x, w)) == 2 * (2 * 5 * 6 * 6) * 27 \
+      == round(xla_cost_flops(compiled))
+
+  def g(c, xs):
+    return jax.lax.scan(lambda c, x: (c @ x, None), c, xs)[0]
+  c, xs = jnp.ones((2, 3)), jnp.ones((5, 3, 3))
+  assert _summary.flops(yax.make_mox(g)(c, xs)) == 5 * 2 * 2 * 3 * 3
+
+
+def test_unknown_primitives_are_reported():
+  prim = jax.extend.core.Primitive('yax_test_unknown')
+  prim.def_impl(lambda x: x)
+  prim.def_abstract_eval(lambda x: x)
+  mox = yax.make_mox(lambda x: prim.bind(x) + 1.0)(jnp.ones(3))
+  assert _summary.flops(mox) == 3  # the add only: unknown counts zero
+  assert _flops.uncounted_primitives(
+      _summary.leaf_equations(mox)) == {'yax_test_unknown'}
+  text = _summary.format_summary(mox)
+  assert 'Not counted (no FLOP rule): yax_test_unknown' in text
+
+
+# --------------------------------------------------------------- rendering
+
+def _words(row) -> set[str]:
+  text = ' '.join([row.path, row.type, *row.inputs, *row.outputs, *row.variables])
+  return {w for w in re.split(r'[ /=]|, ', text) if w}
+
+
+@pytest.mark.parametrize('width', [60, 100, 140, None])
+def test_table_fits_width_without_breaking_words(tiny_bert_mox, width):
+  text = _summary.format_summary(tiny_bert_mox, title='bert', width=width)
+  lines = text.splitlines()
+  assert all(line == line.rstrip() for line in lines)
+  if width is not None and width >= 100:
+    assert max(len(line) for line in lines) <= width
+  # Every word of every row appears whole on some line.
+  for row in yax.summary(tiny_bert_mox):
+    for word in _words(row):
+      assert any(word in line for line in lines), word
+
+
+def test_wrap_breaks_only_at_spaces_commas_slashes():
+  assert _summary._wrap('hidden_states: f32[2,8,32]', 16) == \
+      ['hidden_states:', 'f32[2,8,32]']
+  assert _summary._wrap('encoder/layer/0/attention', 16) == \
+      ['encoder/layer/0/', 'attention']
+  assert _summary._wrap('(f32[2,3], f32[4])', 10) == ['(f32[2,3],', 'f32[4])']
+  assert _summary._wrap('averyveryverylongword', 5) == ['averyveryverylongword']
