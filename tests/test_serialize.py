@@ -89,7 +89,7 @@ def test_elements_and_attributes(block):
       'fqn': 'flax.linen.linear.Dense', 'name': 'Dense_0', 'path': 'Dense_0',
       'method': '__call__', 'features': '3', 'use_bias': 'true',
       'param_dtype': 'float32',
-      'kernel_init': 'jax._src.nn.initializers.variance_scaling.<locals>.init',
+      'kernel_init': "variance_scaling(1.0, 'fan_in', 'truncated_normal')",
       'bias_init': 'jax.nn.initializers.zeros',
       'promote_dtype': 'flax.linen.dtypes.promote_dtype',
       'ephemeral': 'false'}
