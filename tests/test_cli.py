@@ -1,10 +1,17 @@
-"""The ``yax`` command, run as a real process (``python -m yax`` and the
-``yax`` console script), compared with the Python API on the same model."""
+"""The ``yax`` command compared with the Python API on the same model.
+
+Most tests call the command's entry function, ``yax._cli.main(args)``, in
+this process (with its own stdout/stderr and working directory): the same
+code path as the console script minus interpreter start-up and imports,
+which cost seconds per call. A few smoke tests (marked below) still run
+``python -m yax`` and the ``yax`` console script as real processes.
+"""
 
 from __future__ import annotations
 
 import base64
-import concurrent.futures
+import contextlib
+import dataclasses
 import gzip
 import importlib.util
 import io
@@ -24,7 +31,6 @@ import pytest
 import yax
 from yax import _bundled, _cli, _summary
 
-from helpers import flops as xla_cost_flops
 
 MODEL_PY = '''
 import flax.linen as nn
@@ -94,15 +100,46 @@ def _env():
   return env
 
 
-def run_yax(*args, cwd, exe=None, check=True):
-  """Runs ``python -m yax ARGS`` (or the given executable) in ``cwd``."""
-  cmd = [exe] if exe else [sys.executable, '-m', 'yax']
-  proc = subprocess.run([*cmd, *map(str, args)], cwd=cwd, env=_env(),
-                        capture_output=True, timeout=600)
-  if check and proc.returncode != 0:
-    raise AssertionError(f'yax {args} exited {proc.returncode}:\n'
-                         f'{proc.stderr.decode()}')
-  return proc
+@dataclasses.dataclass
+class Result:
+  returncode: int
+  stdout: bytes
+  stderr: bytes
+
+
+def run_yax(*args, cwd, exe=None, check=True, subprocess_run=False):
+  """Runs ``yax ARGS`` in ``cwd``: in this process through ``_cli.main``,
+  or, with ``subprocess_run`` (or ``exe``), as ``python -m yax`` (or the
+  given executable)."""
+  args = [str(a) for a in args]
+  if subprocess_run or exe:
+    cmd = [exe] if exe else [sys.executable, '-m', 'yax']
+    proc = subprocess.run([*cmd, *args], cwd=cwd, env=_env(),
+                          capture_output=True, timeout=600)
+    result = Result(proc.returncode, proc.stdout, proc.stderr)
+  else:
+    result = _run_in_process(args, cwd)
+  if check and result.returncode != 0:
+    raise AssertionError(f'yax {args} exited {result.returncode}:\n'
+                         f'{result.stderr.decode()}')
+  return result
+
+
+def _run_in_process(args, cwd) -> Result:
+  out = io.TextIOWrapper(io.BytesIO(), encoding='utf-8', write_through=True)
+  err = io.TextIOWrapper(io.BytesIO(), encoding='utf-8', write_through=True)
+  saved_path = list(sys.path)
+  # A file model is imported under its stem unless that name is taken: drop
+  # what an earlier run imported, as a fresh process would not have it.
+  for name in ('yax_cli_model', 'broken'):
+    sys.modules.pop(name, None)
+  with contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
+      contextlib.redirect_stderr(err):
+    try:
+      status = _cli.main(args)
+    finally:
+      sys.path[:] = saved_path
+  return Result(status, out.buffer.getvalue(), err.buffer.getvalue())
 
 
 def console_script():
@@ -145,6 +182,23 @@ def test_show_prints_str_of_the_mox(workdir, model):
   assert out == str(mox) + '\n'
 
 
+def test_smoke_python_m_yax_process(workdir, model):
+  """A real `python -m yax` process: output, an error and no-match status."""
+  mox, _ = model
+  out = run_yax('show', 'yax_cli_model.py:factory', cwd=workdir,
+                subprocess_run=True).stdout.decode()
+  assert out == str(mox) + '\n'
+  bad = run_yax('show', 'yax_cli_model.py:raises', cwd=workdir, check=False,
+                subprocess_run=True)
+  assert bad.returncode == 1 and bad.stdout == b''
+  assert bad.stderr.decode() == ('yax: error: factory yax_cli_model.py:raises '
+                                 'raised RuntimeError: boom in factory\n')
+  none = run_yax('query', '//conv_general_dilated', 'yax_cli_model.py',
+                 cwd=workdir, check=False, subprocess_run=True)
+  assert (none.returncode, none.stdout) == (1, b'')
+  assert none.stderr.decode() == 'yax: no match for //conv_general_dilated\n'
+
+
 def test_show_accepts_module_name_and_default_factory(workdir, model):
   mox, _ = model
   out = run_yax('show', 'yax_cli_model', cwd=workdir).stdout.decode()
@@ -157,22 +211,35 @@ def test_factory_with_kwargs(workdir):
   assert fn_out.strip() == '2'
 
 
+def _table_rows(out: str) -> dict[str, list[str]]:
+  """{path: first-line cells} of a summary table."""
+  rows = {}
+  for line in out.splitlines():
+    cells = [c.strip() for c in line.split('│')[1:-1]]
+    if cells and cells[0] and cells[0] != 'path':
+      rows[cells[0]] = cells
+  return rows
+
+
 def test_summary_table(workdir, model):
   mox, variables = model
   out = run_yax('summary', 'yax_cli_model.py:factory', cwd=workdir).stdout.decode()
   total = _param_count(variables)
   assert f'Total params: {total:,}' in out
-  lines = {line.split()[1]: line for line in out.splitlines()
-           if re.match(r'^\W*(hidden|out|\(top\))\s', line)}
-  assert set(lines) == {'hidden', 'out', '(top)'}
-  # hidden: Dense(4 -> 5) on a (2, 4) input.
+  assert all(line == line.rstrip() for line in out.splitlines())
+  rows = _table_rows(out)
+  assert set(rows) == {'hidden', 'out', '(top)'}
+  # Columns: path, module, inputs, outputs, variables, own params, params,
+  # FLOPs. hidden: Dense(4 -> 5) on a (2, 4) input.
   hidden = variables['params']['hidden']
   n_hidden = hidden['kernel'].size + hidden['bias'].size
-  assert 'Dense' in lines['hidden'] and 'f32[2,4]' in lines['hidden']
-  assert 'f32[2,5]' in lines['hidden']
-  assert f' {n_hidden} (' in lines['hidden']
-  assert f' {2 * 2 * 4 * 5} ' in lines['hidden'] + ' '
-  assert 'MLP' in lines['(top)'] and f' {total} (' in lines['(top)']
+  assert rows['hidden'][1:5] == ['Dense', 'inputs: f32[2,4]', 'f32[2,5]',
+                                 'bias: f32[5]']
+  assert rows['hidden'][5:7] == [f'{n_hidden}', f'{n_hidden}']
+  # The matmul and the bias add.
+  assert rows['hidden'][7] == f'{2 * 2 * 4 * 5 + 2 * 5}'
+  assert rows['(top)'][1:3] == ['MLP', 'x: f32[2,4]']
+  assert rows['(top)'][5:7] == ['', f'{total:,}']
 
 
 def test_summary_depth_and_xla_flops(workdir, model):
@@ -181,13 +248,17 @@ def test_summary_depth_and_xla_flops(workdir, model):
                 cwd=workdir).stdout.decode()
   assert 'MLP' in out
   assert 'hidden' not in out  # nested one level below the top module
-  m = re.search(r'FLOPs \(XLA cost analysis, whole model\): ([\d,]+)', out)
+  m = re.search(r'XLA cost analysis \(compiled, whole model\): ([\d,]+) FLOPs',
+                out)
   assert m is not None, out
   closed = yax.to_jaxpr(mox)
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
            for v in closed.jaxpr.invars]
   compiled = jax.jit(jax.extend.core.jaxpr_as_fun(closed)).lower(*specs).compile()
-  assert int(m.group(1).replace(',', '')) == round(xla_cost_flops(compiled))
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  want = cost['flops'] + cost.get('transcendentals', 0)
+  assert int(m.group(1).replace(',', '')) == round(want)
 
 
 def test_xml_stdout_and_file(workdir, model):
@@ -329,6 +400,11 @@ def test_help_and_version(workdir):
   assert 'Usage: yax' in out and 'summary' in out and 'MODEL is' in out
   out = run_yax('query', '--help', cwd=workdir).stdout.decode()
   assert 'XPATH' in out and '--count' in out
+  # The help describes the output that test_query_prints_path_and_type and
+  # test_equation_matches_name_their_module check.
+  assert 'PATH  TYPE[.method]  OUTPUT-TYPES' in out
+  assert 'PATH  PRIMITIVE[name=NAME]  OUTPUT-TYPES' in out
+  assert 'NAME:TYPE' in out and 'exits with' in out
   out = run_yax('--version', cwd=workdir).stdout.decode()
   assert out.startswith('yax ')
 
@@ -378,11 +454,9 @@ ERRORS = [
 
 @pytest.fixture(scope='module')
 def error_runs(workdir):
-  """Runs every error case once, several processes at a time."""
-  with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
-    futures = {tuple(args): pool.submit(run_yax, *args, cwd=workdir, check=False)
-               for args, _, _ in ERRORS}
-    return {args: f.result() for args, f in futures.items()}
+  """Runs every error case once."""
+  return {tuple(args): run_yax(*args, cwd=workdir, check=False)
+          for args, _, _ in ERRORS}
 
 
 @pytest.mark.parametrize('args,status,pattern', ERRORS,
@@ -416,58 +490,47 @@ def test_debug_shows_traceback(workdir):
 def test_param_counts_match_flax(model):
   mox, variables = model
   assert _summary.total_params(mox)[0] == _param_count(variables)
-  rows = {r.path: r for r in _summary.rows(mox)}
+  rows = {r.path: r for r in yax.summary(mox)}
   for name in ('hidden', 'out'):
     assert rows[name].params == _param_count({'params': variables['params'][name]})
   assert rows[''].params == _param_count(variables)
 
 
-def test_shared_module_params_counted_once():
-  class Shared(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      dense = nn.Dense(4)
-      return dense(dense(x))
-  m = Shared()
-  x = jnp.ones((1, 4))
-  variables = m.init(jax.random.key(0), x)
-  mox = yax.make_mox(m.apply)(variables, x)
-  assert len([r for r in _summary.rows(mox) if r.module == 'Dense']) == 2
-  assert _summary.total_params(mox)[0] == _param_count(variables) == 20
+def test_query_without_match_exits_1(workdir):
+  res = run_yax('query', '//module_call[@type="Conv"]', 'yax_cli_model.py',
+                cwd=workdir, check=False)
+  assert (res.returncode, res.stdout) == (1, b'')
+  assert res.stderr.decode() == 'yax: no match for //module_call[@type="Conv"]\n'
+  res = run_yax('query', '--count', '//conv_general_dilated', 'yax_cli_model.py',
+                cwd=workdir, check=False)
+  assert (res.returncode, res.stdout) == (1, b'0\n')
+  # A match exits 0; an XPath value (a number) is a match.
+  assert run_yax('query', 'count(//conv_general_dilated)', 'yax_cli_model.py',
+                 cwd=workdir).stdout == b'0\n'
 
 
-def test_other_collections_reported_separately():
-  m = nn.BatchNorm(use_running_average=True)
-  x = jnp.ones((2, 3))
-  variables = m.init(jax.random.key(0), x)
-  mox = yax.make_mox(m.apply)(variables, x)
-  (row,) = _summary.rows(mox)
-  assert row.params == 6 and row.other_vars == {'batch_stats': 6}
+class FakeTerminal(io.StringIO):
+  def __init__(self, tty):
+    super().__init__()
+    self.tty = tty
+
+  def isatty(self):
+    return self.tty
 
 
-def test_matmul_flops_match_xla():
-  a, b = jnp.ones((4, 6)), jnp.ones((6, 7))
-  mox = yax.make_mox(lambda a, b: a @ b)(a, b)
-  compiled = jax.jit(lambda a, b: a @ b).lower(a, b).compile()
-  assert _summary.flops(mox) == 2 * 4 * 6 * 7 == round(xla_cost_flops(compiled))
-
-
-def test_conv_flops():
-  x, w = jnp.ones((2, 3, 8, 8)), jnp.ones((5, 3, 3, 3))
-  f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), 'VALID')
-  mox = yax.make_mox(f)(x, w)
-  # Every output element is a 3*3*3 dot product (VALID: no padding).
-  expected = 2 * (2 * 5 * 6 * 6) * (3 * 3 * 3)
-  compiled = jax.jit(f).lower(x, w).compile()
-  assert _summary.flops(mox) == expected == round(xla_cost_flops(compiled))
-
-
-def test_flops_inside_scan_count_every_iteration():
-  def f(c, xs):
-    return jax.lax.scan(lambda c, x: (c @ x, None), c, xs)[0]
-  c, xs = jnp.ones((2, 3)), jnp.ones((5, 3, 3))
-  mox = yax.make_mox(f)(c, xs)
-  assert _summary.flops(mox) == 5 * 2 * 2 * 3 * 3
+def test_progress_only_on_a_terminal_and_only_when_slow():
+  import time
+  for tty, delay, shown in [(True, 0.0, True), (True, 60.0, False),
+                            (False, 0.0, False)]:
+    stream = FakeTerminal(tty)
+    with _cli.progress('tracing m.py', stream=stream, delay=delay):
+      time.sleep(0.3)
+    text = stream.getvalue()
+    assert ('yax: tracing m.py...' in text) == shown, (tty, delay, text)
+    if shown:  # the line is erased at the end
+      assert text.endswith('\r\x1b[K')
+    else:
+      assert text == ''
 
 
 def test_factory_spec_parsing():

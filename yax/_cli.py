@@ -18,11 +18,14 @@ traceback instead.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -53,6 +56,53 @@ def _describe(exc: BaseException) -> str:
   message = _one_line(str(exc))
   name = type(exc).__name__
   return f'{name}: {message}' if message else name
+
+
+# ------------------------------------------------------------- progress
+
+PROGRESS_DELAY = 2.0  # seconds before a step shows progress
+
+
+@contextlib.contextmanager
+def progress(what: str, *, stream=None, delay: float = PROGRESS_DELAY):
+  """Shows ``yax: WHAT... 3.2s`` on stderr while the block runs longer than
+  ``delay`` seconds, only when stderr is a terminal; the line is erased when
+  the block ends, so nothing is left in the output."""
+  stream = stream if stream is not None else sys.stderr
+  try:
+    tty = stream.isatty()
+  except (AttributeError, ValueError):
+    tty = False
+  if not tty:
+    yield
+    return
+  done = threading.Event()
+  shown = []
+
+  def tick():
+    start = time.monotonic()
+    if done.wait(delay):
+      return
+    frames = '|/-\\'
+    k = 0
+    while not done.is_set():
+      stream.write(f'\r\x1b[Kyax: {what}... {frames[k % 4]} '
+                   f'{time.monotonic() - start:.1f}s')
+      stream.flush()
+      shown.append(True)
+      k += 1
+      done.wait(0.2)
+
+  thread = threading.Thread(target=tick, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
+    if shown:
+      stream.write('\r\x1b[K')
+      stream.flush()
 
 
 # --------------------------------------------------------------- models
@@ -140,7 +190,8 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
     raise _Usage(f'{spec}: {attr!r} is a {type(factory).__name__}, expected '
                  'a function returning (fn, args, kwargs)')
   try:
-    result = factory()
+    with progress(f'building {spec}'):
+      result = factory()
   except Exception as e:
     raise _Failure(f'factory {spec} raised {_describe(e)}') from e
   expected = 'expected a tuple (fn, args, kwargs)'
@@ -167,7 +218,8 @@ def trace_model(spec: str | None):
   import yax
   fn, args, kwargs, label = load_model(spec)
   try:
-    return yax.make_mox(fn)(*args, **kwargs), label
+    with progress(f'tracing {label}'):
+      return yax.make_mox(fn)(*args, **kwargs), label
   except Exception as e:
     raise _Failure(f'tracing {label} failed: {_describe(e)}') from e
 
@@ -243,8 +295,10 @@ def cli(ctx):
 def show(model, output):
   """Print the MoX in Jaxpr syntax with module_call blocks."""
   mox, _ = trace_model(model)
+  with progress('printing'):
+    text = str(mox)
   with _Output(output) as f:
-    f.write(str(mox) + '\n')
+    f.write(text + '\n')
 
 
 @cli.command()
@@ -263,8 +317,9 @@ def summary(model, depth, xla_flops, width):
   own variables, own and total parameters, FLOPs."""
   from yax import _summary
   mox, label = trace_model(model)
-  _summary.print_table(mox, depth=depth, title=label, xla=xla_flops,
-                       width=width)
+  with progress('summarizing'):
+    _summary.print_table(mox, depth=depth, title=label, xla=xla_flops,
+                         width=width)
 
 
 @cli.command()
@@ -277,7 +332,7 @@ def xml(model, output, indent):
   """Print the MoX as XML."""
   import yax
   mox, _ = trace_model(model)
-  with _Output(output) as f:
+  with _Output(output) as f, progress('writing XML'):
     yax.dump_xml(mox, f, indent=indent)
 
 
@@ -291,7 +346,7 @@ def yson(model, output, indent):
   """Print the MoX as YSON (needs the yson extra: ytsaurus-client)."""
   import yax
   mox, _ = trace_model(model)
-  with _Output(output, binary=True) as f:
+  with _Output(output, binary=True) as f, progress('writing YSON'):
     yax.dump_yson(mox, f, indent=indent)
 
 
@@ -304,8 +359,10 @@ def yson(model, output, indent):
 def json_(model, output, indent):
   """Print the MoX as JSON (same content as the XML)."""
   mox, _ = trace_model(model)
+  with progress('writing JSON'):
+    text = mox.to_json(indent=indent)
   with _Output(output) as f:
-    f.write(mox.to_json(indent=indent) + '\n')
+    f.write(text + '\n')
 
 
 def _xpath_error(xpath: str, e: Exception) -> _Usage:
@@ -385,24 +442,37 @@ def describe_matches(mox, matches) -> list[str]:
 def query(xpath, model, count_only):
   """Evaluate XPATH on the MoX's XML view; print one match per line.
 
-  Module calls print as PATH TYPE, equations as PATH PRIMITIVE (PATH of the
-  module call they belong to), inputs/outputs as their type, attribute
-  values and XPath numbers/strings as they are.
+  \b
+  Each match prints as one line:
+    module call   PATH  TYPE[.method]  OUTPUT-TYPES
+                  (e.g. "block_0/mlp  MLP  f32[2,8,32]"; PATH "/" is the top)
+    equation      PATH  PRIMITIVE[name=NAME]  OUTPUT-TYPES
+                  (PATH of the module call it belongs to)
+    input/output  NAME:TYPE (the symbol's name in `yax xml`)
+    attribute     its value; an XPath number, string or boolean: the value
+
+  With no match, prints "yax: no match for XPATH" on stderr and exits with
+  status 1 (like grep); --count then prints 0.
   """
   import yax
   _check_xpath(xpath)
   mox, _ = trace_model(model)
   try:
-    result = yax.query(xpath, mox)
+    with progress('querying'):
+      result = yax.query(xpath, mox)
   except yax.XPathError as e:
     raise _xpath_error(xpath, e) from e
   matches = result if isinstance(result, list) else [result]
   if count_only:
     click.echo(len(matches))
-    return
-  lines = describe_matches(mox, matches)
-  if lines:
-    sys.stdout.write('\n'.join(lines) + '\n')
+  else:
+    lines = describe_matches(mox, matches)
+    if lines:
+      sys.stdout.write('\n'.join(lines) + '\n')
+  if not matches:
+    sys.stdout.flush()
+    sys.stderr.write(f'yax: no match for {xpath}\n')
+    raise click.exceptions.Exit(1)
 
 
 @cli.command()
@@ -422,8 +492,9 @@ def html(model, output, title, no_compress):
   """
   from yax import _html
   mox, label = trace_model(model)
-  text = _html.render_html(mox, title=title or label,
-                           compress=not no_compress)
+  with progress('rendering the viewer'):
+    text = _html.render_html(mox, title=title or label,
+                             compress=not no_compress)
   with _Output(output) as f:
     f.write(text)
   if output not in (None, '-'):
@@ -438,8 +509,10 @@ def main(argv: list[str] | None = None) -> int:
   global _debug
   _debug = False
   try:
-    cli.main(args=argv, prog_name='yax', standalone_mode=False)
-    return 0
+    status = cli.main(args=argv, prog_name='yax', standalone_mode=False)
+    # Without standalone mode click returns an Exit's status instead of
+    # raising it (and a command's return value otherwise).
+    return status if isinstance(status, int) else 0
   except click.exceptions.Exit as e:
     return e.exit_code
   except click.exceptions.Abort:
