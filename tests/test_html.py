@@ -114,7 +114,7 @@ def test_viewer_tree_details_and_search(browser, bert, tmp_path, compress):
   count = _search(page, dense)
   n = len(yax.query(dense, bert))
   assert n > 0
-  assert count == f'{n} matches'
+  assert count == f'1 of {n}'  # Enter ran the search and went to match 1
   assert int(page.get_attribute('#count', 'data-count')) == n
   assert page.locator('#results .item').count() == n
   # Enter revealed the first match: selected, highlighted, scrolled to.
@@ -137,8 +137,8 @@ def test_viewer_tree_details_and_search(browser, bert, tmp_path, compress):
                 '//module_call[@type="Dense"]/@features', '//[@method="__call__"]',
                 '//module_call[@path="encoder/layer/1"]//output']:
     want = len(yax.query(xpath, bert))
-    got = _search(page, xpath)
-    assert got == f'{want} {"match" if want == 1 else "matches"}', xpath
+    _search(page, xpath)
+    assert int(page.get_attribute('#count', 'data-count')) == want, xpath
 
   # Atomic results are shown as values; invalid expressions as errors.
   assert _search(page, 'count(//module_call)') == \
@@ -177,10 +177,221 @@ def test_viewer_nested_bodies(browser, tmp_path):
   _html.write_html(mox, path)
   page, errors, _ = _open(browser, path)
   dense = '//module_call[@type="Dense"]'
-  assert _search(page, dense) == f'{len(yax.query(dense, mox))} match'
+  assert _search(page, dense) == f'1 of {len(yax.query(dense, mox))}'
   nodes = _html._nodes(mox)
   (cell,) = [i for i, n in enumerate(nodes) if isinstance(n, yax.Mox)
              and n.path == ('rnn', 'Dense_0')]
   assert _row(page, cell).is_visible()  # revealed through the scan body
+  assert errors == []
+  page.close()
+
+
+# ------------------------------------------------- navigation and data flow
+
+def _index(mox):
+  """(nodes in page order, parent index of each) as the viewer numbers them."""
+  nodes = _html._nodes(mox)
+  where = {id(n): i for i, n in enumerate(nodes)}
+  parent = [-1] * len(nodes)
+  for i, n in enumerate(nodes):
+    for c in getattr(n, 'children', ()):
+      if id(c) in where:
+        parent[where[id(c)]] = i
+  return nodes, parent
+
+
+def _ids(page, selector):
+  return {int(x) for x in page.eval_on_selector_all(
+      selector, 'els => els.map(e => e.closest("li").dataset.id)')}
+
+
+def _selected(page):
+  (i,) = _ids(page, '#tree .row.sel')
+  return i
+
+
+@pytest.fixture(scope='module')
+def bert_page(browser, bert, tmp_path_factory):
+  path = tmp_path_factory.mktemp('viewer') / 'bert.html'
+  _html.write_html(bert, path, title='FlaxBertModel')
+  page, errors, _ = _open(browser, path)
+  yield page
+  assert errors == []
+  page.close()
+
+
+def test_expand_all_and_collapse_all(bert_page, bert):
+  page = bert_page
+  nodes, _ = _index(bert)
+  n_moxes = sum(isinstance(n, yax.Mox) for n in nodes)
+  page.click('#expand')
+  # Every module call (and the root) is a row, all of them visible.
+  assert page.locator('#tree li').count() == n_moxes
+  assert page.locator('#tree li[aria-expanded="false"]').count() == sum(
+      isinstance(n, yax.Mox) and not any(isinstance(c, yax.Mox) for c in n.children)
+      for n in nodes)
+  page.click('#collapse')
+  root_children = [c for c in bert.children if isinstance(c, yax.Mox)]
+  assert page.locator('#tree li').count() == 1 + len(root_children)
+
+
+def test_keyboard_navigation(bert_page, bert):
+  page = bert_page
+  nodes, parent = _index(bert)
+  page.click('#collapse')
+  _row(page, 0).click()
+  (top,) = [i for i, n in enumerate(nodes) if parent[i] == 0 and isinstance(n, yax.Mox)]
+  page.keyboard.press('ArrowDown')
+  assert _selected(page) == top
+  page.keyboard.press('ArrowRight')  # expands the top module
+  kids = [i for i, n in enumerate(nodes) if parent[i] == top and isinstance(n, yax.Mox)]
+  assert _ids(page, '#tree li') == {0, top, *kids}
+  page.keyboard.press('ArrowRight')  # expanded: moves to the first child
+  assert _selected(page) == kids[0]
+  page.keyboard.press('End')
+  assert _selected(page) == kids[-1]
+  page.keyboard.press('ArrowLeft')   # a leaf: goes to its parent
+  assert _selected(page) == top
+  page.keyboard.press('Enter')       # collapses it again
+  assert _ids(page, '#tree li') == {0, top}
+  page.keyboard.press('ArrowUp')
+  assert _selected(page) == 0
+  page.keyboard.press('/')
+  assert page.evaluate('document.activeElement.id') == 'search'
+
+
+def test_match_counter_k_of_n(bert_page, bert):
+  page = bert_page
+  nodes, _ = _index(bert)
+  dense = '//module_call[@type="Dense"]'
+  matches = [nodes.index(m) for m in yax.query(dense, bert)]
+  n = len(matches)
+  assert _search(page, dense) == f'1 of {n}'  # Enter ran it and went to #1
+  page.press('#search', 'Enter')
+  assert page.text_content('#count') == f'2 of {n}'
+  assert _ids(page, '#tree .row.cur') == {matches[1]}
+  assert _selected(page) == matches[1]
+  assert page.text_content('#results .item.cur').startswith('Dense ')
+  page.press('#search', 'Shift+Enter')
+  page.press('#search', 'Shift+Enter')
+  assert page.text_content('#count') == f'{n} of {n}'  # wraps around
+  assert _ids(page, '#tree .row.cur') == {matches[-1]}
+  # The details header stays in view while the details scroll.
+  page.evaluate('document.getElementById("details").scrollTop = 100000')
+  head = page.locator('#details .head').bounding_box()
+  pane = page.locator('#details').bounding_box()
+  assert pane['y'] - 1 <= head['y'] <= pane['y'] + 1
+
+
+def _expected_flow(nodes, parent, s):
+  def related(a, b):
+    def chain(k):
+      while k >= 0:
+        yield k
+        k = parent[k]
+    return a in chain(b) or b in chain(a)
+
+  def outermost(ids):
+    return {j for j in ids if not any(p in ids for p in _up(parent, j))}
+
+  ins = {id(x) for x in nodes[s].inputs}
+  outs = {id(x) for x in nodes[s].outputs}
+  src = {j for j, n in enumerate(nodes)
+         if not related(s, j) and ins & {id(x) for x in n.outputs}}
+  dst = {j for j, n in enumerate(nodes)
+         if not related(s, j) and outs & {id(x) for x in n.inputs}}
+
+  def shown(j):  # everything expanded, equations hidden: nearest module call
+    while not isinstance(nodes[j], yax.Mox):
+      j = parent[j]
+    return None if related(s, j) else j
+  return ({shown(j) for j in outermost(src)} - {None},
+          {shown(j) for j in outermost(dst)} - {None})
+
+
+def _up(parent, j):
+  j = parent[j]
+  while j >= 0:
+    yield j
+    j = parent[j]
+
+
+def test_data_flow_marks_producers_and_consumers(bert_page, bert):
+  page = bert_page
+  nodes, parent = _index(bert)
+  page.fill('#search', '')
+  page.click('#expand')
+  by_path = {n.path: i for i, n in enumerate(nodes) if isinstance(n, yax.Mox)}
+  for path in [('encoder', 'layer', '0', 'attention'),
+               ('encoder', 'layer', '1'), ('embeddings', 'LayerNorm'),
+               ('encoder', 'layer', '0', 'intermediate', 'dense')]:
+    s = by_path[path]
+    _row(page, s).click()
+    src, dst = _expected_flow(nodes, parent, s)
+    assert src or dst, path
+    assert _ids(page, '#tree .row.prod') == src, path
+    assert _ids(page, '#tree .row.cons') == dst, path
+  # Layer 1 reads what layer 0 wrote, and layer 0 what the embeddings wrote.
+  _row(page, by_path[('encoder', 'layer', '1')]).click()
+  assert by_path[('encoder', 'layer', '0')] in _ids(page, '#tree .row.prod')
+  # With the encoder collapsed, the encoder row stands for its hidden layers.
+  _row(page, by_path[('encoder',)]).locator('.tw').click()
+  _row(page, by_path[('embeddings',)]).click()
+  cons = _ids(page, '#tree .row.cons')
+  assert by_path[('encoder',)] in cons
+  assert not cons & {by_path[('encoder', 'layer', '0')]}  # not rendered
+
+
+@pytest.fixture(scope='module')
+def bert12():
+  transformers = pytest.importorskip('transformers')
+  import jax.numpy as jnp
+  config = transformers.BertConfig(
+      vocab_size=99, hidden_size=16, num_hidden_layers=12, num_attention_heads=2,
+      intermediate_size=20, max_position_embeddings=32)
+  model = transformers.FlaxBertModel(config, seed=0)
+  ids = jnp.ones((1, 8), dtype=jnp.int32)
+  return yax.make_mox(model.__call__)(ids, params=model.params)
+
+
+def test_screenshot_of_a_12_layer_model(browser, bert12, tmp_path):
+  PIL = pytest.importorskip('PIL.Image')
+  path = tmp_path / 'bert12.html'
+  _html.write_html(bert12, path, title='FlaxBertModel (12 layers)')
+  page, errors, _ = _open(browser, path)
+  page.click('#expand')
+  nodes, parent = _index(bert12)
+  layers = [i for i, n in enumerate(nodes) if isinstance(n, yax.Mox)
+            and n.path[:2] == ('encoder', 'layer') and len(n.path) == 3]
+  assert len(layers) == 12
+  _row(page, layers[5]).click()
+  png = tmp_path / 'viewer12.png'
+  page.screenshot(path=str(png))
+  keep = os.environ.get('YAX_VIEWER_PNG')
+  if keep:
+    shutil.copyfile(png, keep)
+  image = PIL.open(png).convert('L')
+  lo, hi = image.getextrema()
+  assert hi - lo > 100  # not blank: dark text on a light page
+  # Rows fill the tree pane, each one line high and inside the viewport.
+  pane = page.locator('#tree-pane').bounding_box()
+  boxes = page.eval_on_selector_all('#tree li > .row', """rows => rows.map(r => {
+      const b = r.getBoundingClientRect();
+      return {y: b.y, height: b.height, text: r.textContent};})""")
+  assert len(boxes) == sum(isinstance(n, yax.Mox) for n in nodes)
+  inside = [b for b in boxes if pane['y'] <= b['y'] and
+            b['y'] + b['height'] <= pane['y'] + pane['height']]
+  assert len(inside) >= 20
+  assert all(12 <= b['height'] <= 40 and b['text'].strip() for b in inside)
+  # The deepest row is reachable: revealed, its type name is inside the pane.
+  depth = [len(list(_up(parent, i))) for i in range(len(nodes))]
+  deepest = max((i for i, n in enumerate(nodes) if isinstance(n, yax.Mox)),
+                key=lambda i: depth[i])
+  path_attr = '/'.join(nodes[deepest].path)
+  _search(page, f'//module_call[@path="{path_attr}"]')
+  assert _selected(page) == deepest
+  ty = _row(page, deepest).locator('.ty').bounding_box()
+  assert pane['x'] <= ty['x'] and ty['x'] + ty['width'] <= pane['x'] + pane['width']
+  assert pane['y'] <= ty['y'] <= pane['y'] + pane['height']
   assert errors == []
   page.close()

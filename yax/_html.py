@@ -6,11 +6,22 @@ network, no external scripts or styles):
 * a collapsible tree of module calls (and, on request, their equations) that
   shows type, name, path, output shapes and parameter counts; children are
   rendered only when a node is expanded, so BERT-size trees stay responsive;
-* a details panel for the selected node: its XML attributes, inputs and
-  outputs, parameter count, matmul FLOPs and Jaxpr text (``str(node)``);
+  "expand all" / "collapse all"; rows deeper than 12 levels stop indenting
+  (they show their level) and the pane scrolls horizontally;
+* keyboard navigation: arrows move the selection (Left/Right collapse and
+  expand), Enter toggles, Home/End jump, ``/`` focuses the search box;
+* a details panel for the selected node, its header sticky: XML attributes,
+  inputs and outputs, parameter count, FLOPs, the nodes its inputs come from
+  and its outputs go to, and its Jaxpr text (``str(node)``);
+* data flow: selecting a node marks the producers of its inputs (green, left
+  edge) and the consumers of its outputs (orange, right edge) in the tree,
+  at the nearest row that is shown; its own ancestors and descendants, which
+  only pass the values through, are not marked;
 * a search box that evaluates XPath 1.0 in the browser
   (``document.evaluate``) over the embedded XML view (the output of
-  :func:`yax.dump_xml`), highlights the matches and shows their count.
+  :func:`yax.dump_xml`), highlights the matches, and steps through them
+  (Enter / Shift+Enter) with a ``k of n`` counter and the current match
+  outlined.
 
 The data (XML, Jaxpr texts, parameter and FLOP counts) is one JSON payload,
 gzip-compressed and base64-encoded by default (Jaxpr texts repeat a lot: the
@@ -146,10 +157,12 @@ _TEMPLATE = """<!doctype html>
   </form>
   <span id="count" class="count" aria-live="polite"></span>
   <label class="toggle"><input type="checkbox" id="show-eqns"> equations</label>
-  <button type="button" id="collapse" title="Collapse all">collapse</button>
+  <button type="button" id="expand" title="Expand all">expand all</button>
+  <button type="button" id="collapse" title="Collapse all">collapse all</button>
 </header>
 <main>
-  <section id="tree-pane" aria-label="Module tree"><ul id="tree" role="tree"></ul></section>
+  <section id="tree-pane" aria-label="Module tree"><ul id="tree" role="tree" tabindex="0"
+    aria-label="Module tree: arrow keys move, Enter expands, / searches"></ul></section>
   <section id="side">
     <div id="results" hidden></div>
     <div id="details"><p class="hint">Loading&hellip;</p></div>
@@ -167,7 +180,7 @@ _CSS = r"""
   --bg: #fbfbfa; --fg: #1f2328; --dim: #6e7781; --line: #d8dee4;
   --panel: #ffffff; --accent: #0b5cad; --type: #0b5cad; --prim: #6e7781;
   --shape: #1a7f37; --params: #9a6700; --hit: #fff1a8; --hit-line: #d4a72c;
-  --sel: #dbeafe; --bad: #cf222e;
+  --sel: #dbeafe; --bad: #cf222e; --prod: #1a7f37; --cons: #bc4c00;
   --mono: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
 }
 @media (prefers-color-scheme: dark) {
@@ -199,15 +212,27 @@ button:hover { border-color: var(--accent); }
 .toggle { font-size: 13px; color: var(--dim); user-select: none; }
 main { flex: 1; display: grid; grid-template-columns: minmax(320px, 46%) 1fr; min-height: 0; }
 #tree-pane { overflow: auto; border-right: 1px solid var(--line); padding: 6px 0; }
+#tree { width: max-content; min-width: 100%; outline: none; }
+#tree:focus-visible .row.sel { outline: 2px solid var(--accent); outline-offset: -2px; }
 #side { overflow: hidden; display: flex; flex-direction: column; min-width: 0; min-height: 0; }
 ul { list-style: none; margin: 0; padding: 0; }
 ul ul { padding-left: 16px; border-left: 1px dotted var(--line); margin-left: 11px; }
+/* Deep rows: indentation stops growing after 12 levels (the depth is shown). */
+ul.deep ul { padding-left: 0; margin-left: 0; border-left: none; }
+.depth { font: 10px system-ui, sans-serif; color: var(--dim); }
 .row { display: flex; align-items: baseline; gap: 8px; padding: 1px 8px; cursor: pointer;
   white-space: nowrap; font: 13px/1.55 var(--mono); }
 .row:hover { background: color-mix(in srgb, var(--sel) 50%, transparent); }
 .row.sel { background: var(--sel); }
 .row.hit { background: var(--hit); box-shadow: inset 3px 0 var(--hit-line); }
 .row.sel.hit { background: linear-gradient(90deg, var(--hit), var(--sel)); }
+.row.cur { outline: 2px solid var(--hit-line); outline-offset: -2px; }
+.row.prod { box-shadow: inset 4px 0 var(--prod); }
+.row.cons { box-shadow: inset -4px 0 var(--cons); }
+.row.prod.cons { box-shadow: inset 4px 0 var(--prod), inset -4px 0 var(--cons); }
+.flow-tag { font: 11px system-ui, sans-serif; border-radius: 8px; padding: 0 6px; color: #fff; }
+.flow-tag.prod { background: var(--prod); }
+.flow-tag.cons { background: var(--cons); }
 .tw { width: 1em; color: var(--dim); flex: none; text-align: center; }
 .ty { color: var(--type); font-weight: 600; }
 .eq .ty { color: var(--prim); font-weight: 400; }
@@ -217,12 +242,15 @@ ul ul { padding-left: 16px; border-left: 1px dotted var(--line); margin-left: 11
 .dim { color: var(--dim); }
 .badge { font: 11px system-ui, sans-serif; background: var(--hit-line); color: #000;
   border-radius: 8px; padding: 0 6px; }
-#results { flex: 0 0 auto; border-bottom: 1px solid var(--line); max-height: 34%; overflow: auto;
+#results { flex: 0 0 auto; border-bottom: 1px solid var(--line); max-height: 25%; overflow: auto;
   padding: 6px 12px; }
 #results .item { font: 12px/1.6 var(--mono); cursor: pointer; white-space: nowrap;
   overflow: hidden; text-overflow: ellipsis; }
 #results .item:hover { color: var(--accent); }
-#details { flex: 1 1 auto; overflow: auto; min-height: 0; padding: 10px 14px; }
+#results .item.cur { color: var(--accent); font-weight: 600; }
+#details { flex: 1 1 auto; overflow: auto; min-height: 0; padding: 0 14px 10px; }
+#details .head { position: sticky; top: 0; z-index: 1; background: var(--bg);
+  padding: 10px 0 6px; border-bottom: 1px solid var(--line); }
 #details h2 { font: 600 16px var(--mono); margin: 0 0 2px; }
 #details h3 { font: 600 12px system-ui, sans-serif; text-transform: uppercase; letter-spacing: .04em;
   color: var(--dim); margin: 14px 0 4px; }
@@ -272,6 +300,9 @@ const expanded = new Set();
 const rows = new Map();
 let selected = -1;
 let hits = new Set(), hitList = [], hitIndex = -1, inside = new Map(), lastQuery = null;
+let producersOf, consumersOf;           // symbol name -> element ids
+let flowSources = [], flowTargets = []; // element ids for the selected node
+const DEEP = 12;                        // indentation stops here
 
 const isMox = (i) => els[i].tagName === 'module_call';
 
@@ -327,10 +358,11 @@ function shapes(list, max) {
   return list.join(' ');
 }
 
-function makeRow(i) {
+function makeRow(i, depth) {
   const li = el('li');
   li.setAttribute('role', 'treeitem');
   li.dataset.id = i;
+  li.dataset.depth = depth;
   const r = el('div', 'row' + (isMox(i) ? '' : ' eq'));
   const kids = visibleChildren(i).length;
   r.append(el('span', 'tw', kids ? (expanded.has(i) ? '\u25be' : '\u25b8') : ''));
@@ -342,19 +374,23 @@ function makeRow(i) {
   if (D.params[i]) r.append(el('span', 'pc', fmt(D.params[i]) + ' params'));
   if (lb.path && lb.path !== lb.nm) r.append(el('span', 'dim', lb.path));
   if (lb.path) r.title = lb.path;
+  if (depth >= DEEP) r.prepend(el('span', 'depth', 'L' + depth));
   if (hits.has(i)) r.classList.add('hit');
   if (i === selected) r.classList.add('sel');
+  if (hitIndex >= 0 && hitList[hitIndex] === i) r.classList.add('cur');
   if (inside.get(i) && !expanded.has(i)) r.append(el('span', 'badge', fmt(inside.get(i))));
+  li.setAttribute('aria-expanded', kids ? String(expanded.has(i)) : 'false');
   li.append(r);
   rows.set(i, li);
-  if (expanded.has(i) && kids) li.append(makeList(visibleChildren(i)));
+  if (expanded.has(i) && kids) li.append(makeList(visibleChildren(i), depth + 1));
   return li;
 }
 
-function makeList(list) {
+function makeList(list, depth) {
   const ul = el('ul');
   ul.setAttribute('role', 'group');
-  for (const c of list) ul.append(makeRow(c));
+  if (depth >= DEEP) ul.classList.add('deep');
+  for (const c of list) ul.append(makeRow(c, depth));
   return ul;
 }
 
@@ -366,18 +402,86 @@ function refreshRow(i) {
   const old = rows.get(i);
   if (!old) return;
   forget(old);
-  old.replaceWith(makeRow(i));
+  old.replaceWith(makeRow(i, Number(old.dataset.depth)));
 }
 
 function setExpanded(i, on) {
   if (on) expanded.add(i); else expanded.delete(i);
   refreshRow(i);
+  markFlow();
 }
 
 function renderTree() {
   rows.clear();
   const tree = $('tree');
-  tree.replaceChildren(makeRow(0));
+  tree.replaceChildren(makeRow(0, 0));
+  markFlow();
+}
+
+function expandAll() {
+  for (let i = 0; i < els.length; i++) if (visibleChildren(i).length) expanded.add(i);
+  renderTree();
+}
+
+function collapseAll() {
+  expanded.clear();
+  expanded.add(0);
+  renderTree();
+}
+
+// ------------------------------------------------------------- data flow
+
+function symbolNames(i, tag) {
+  const out = [];
+  for (const c of els[i].children) if (c.tagName === tag) out.push(c.textContent);
+  return out;
+}
+
+function related(i, j) {
+  // j is i, an ancestor or a descendant of i.
+  for (let p = j; p >= 0; p = parentOf[p]) if (p === i) return true;
+  for (let p = i; p >= 0; p = parentOf[p]) if (p === j) return true;
+  return false;
+}
+
+function computeFlow(i) {
+  // Producers of i's inputs and consumers of its outputs, outside i's own
+  // ancestors and descendants (those only pass the values through).
+  const src = new Set(), dst = new Set();
+  for (const name of symbolNames(i, 'input'))
+    for (const j of producersOf.get(name) || []) if (!related(i, j)) src.add(j);
+  for (const name of symbolNames(i, 'output'))
+    for (const j of consumersOf.get(name) || []) if (!related(i, j)) dst.add(j);
+  // A module call and the equation inside it that computes the value are
+  // both producers: keep the outermost.
+  const outermost = (set) => [...set].filter((j) => {
+    for (let p = parentOf[j]; p >= 0; p = parentOf[p]) if (set.has(p)) return false;
+    return true;
+  });
+  flowSources = outermost(src);
+  flowTargets = outermost(dst);
+}
+
+function shownRow(j) {
+  // The rendered row that stands for j: j itself or its nearest rendered
+  // ancestor (a collapsed node); null if that is an ancestor of the
+  // selected node.
+  let p = j;
+  while (p >= 0 && !rows.has(p)) p = parentOf[p];
+  if (p < 0 || (selected >= 0 && related(selected, p))) return null;
+  return p;
+}
+
+function markFlow() {
+  for (const r of document.querySelectorAll('#tree .row.prod, #tree .row.cons'))
+    r.classList.remove('prod', 'cons');
+  if (selected < 0) return;
+  for (const [list, cls] of [[flowSources, 'prod'], [flowTargets, 'cons']]) {
+    for (const j of list) {
+      const p = shownRow(j);
+      if (p !== null) rows.get(p).firstChild.classList.add(cls);
+    }
+  }
 }
 
 function ancestors(i) {
@@ -396,7 +500,7 @@ function reveal(i) {
   }
   select(i);
   const li = rows.get(i);
-  if (li) li.firstChild.scrollIntoView({block: 'center'});
+  if (li) li.firstChild.firstChild.scrollIntoView({block: 'center', inline: 'nearest'});
 }
 
 function select(i) {
@@ -404,8 +508,32 @@ function select(i) {
   if (prev) prev.firstChild.classList.remove('sel');
   selected = i;
   const li = rows.get(i);
-  if (li) li.firstChild.classList.add('sel');
+  if (li) {
+    li.firstChild.classList.add('sel');
+    // The start of the row (the row itself may be wider than the pane).
+    li.firstChild.firstChild.scrollIntoView({block: 'nearest', inline: 'nearest'});
+  }
+  computeFlow(i);
+  markFlow();
   showDetails(i);
+}
+
+function flowList(ids, cls, title) {
+  const box = el('div');
+  if (!ids.length) return box;
+  box.append(el('h3', null, title + ' (' + ids.length + ')'));
+  for (const j of ids.slice(0, 50)) {
+    const lb = label(j);
+    const d = el('div', 'item');
+    d.append(el('span', 'flow-tag ' + cls, cls === 'prod' ? 'from' : 'to'), ' ',
+             el('span', isMox(j) ? 'ty' : 'dim', lb.ty), ' ',
+             isMox(j) ? (lb.path || lb.nm) : 'in ' + ownerPath(j));
+    d.style.cursor = 'pointer';
+    d.addEventListener('click', () => reveal(j));
+    box.append(d);
+  }
+  if (ids.length > 50) box.append(el('div', 'dim', '\u2026 and ' + (ids.length - 50) + ' more'));
+  return box;
 }
 
 function kvTable(pairs) {
@@ -447,22 +575,31 @@ function showDetails(i) {
   box.replaceChildren();
   const e = els[i];
   const lb = label(i);
+  const head = el('div', 'head');
   const h = el('h2');
   h.append(el('span', isMox(i) ? 'ty' : 'dim', lb.ty), ' ', el('span', 'nm', lb.path || lb.nm));
   if (!isMox(i)) h.append(' ', el('span', 'dim', 'in ' + ownerPath(i)));
-  box.append(h);
+  head.append(h);
+  box.append(head);
   const facts = [];
   if (D.params[i]) facts.push(fmt(D.params[i]) + ' params');
-  if (D.flops[i]) facts.push(fmt(D.flops[i]) + ' FLOPs (dot/conv)');
+  if (D.flops[i]) facts.push(fmt(D.flops[i]) + ' FLOPs');
   facts.push(isMox(i) ? 'module_call' : 'equation');
   const xp = xpathOf(i);
   if (xp) facts.push(xp);
-  box.append(el('div', 'dim', facts.join(' \u00b7 ')));
+  head.append(el('div', 'dim', facts.join(' \u00b7 ')));
+  const legend = el('div', 'dim');
+  legend.append(el('span', 'flow-tag prod', 'from'), ' ' + flowSources.length +
+                ' producers of its inputs  ', el('span', 'flow-tag cons', 'to'),
+                ' ' + flowTargets.length + ' consumers of its outputs');
+  head.append(legend);
   box.append(el('h3', null, 'attributes'));
   box.append(kvTable([...e.attributes].map((a) => [a.name, a.value])));
   const ins = symbolPairs(i, 'input'), outs = symbolPairs(i, 'output');
   if (ins.length) { box.append(el('h3', null, 'inputs (' + ins.length + ')')); box.append(kvTable(ins)); }
   if (outs.length) { box.append(el('h3', null, 'outputs (' + outs.length + ')')); box.append(kvTable(outs)); }
+  box.append(flowList(flowSources, 'prod', 'inputs come from'));
+  box.append(flowList(flowTargets, 'cons', 'outputs go to'));
   box.append(el('h3', null, 'jaxpr'));
   box.append(el('pre', 'jaxpr', D.texts[i]));
 }
@@ -508,6 +645,7 @@ function clearHits() {
   const old = [...hits, ...inside.keys()];
   hits = new Set(); hitList = []; hitIndex = -1; inside = new Map();
   for (const i of old) refreshRow(i);
+  markFlow();
 }
 
 function setCount(text, bad, n) {
@@ -549,6 +687,7 @@ function runSearch() {
   if (r.resultType === XPathResult.BOOLEAN_TYPE) { setCount('= ' + r.booleanValue); return; }
   const n = r.snapshotLength;
   setCount(fmt(n) + (n === 1 ? ' match' : ' matches'), false, n);
+  $('results').dataset.n = n;
   const seen = new Set();
   for (let k = 0; k < n; k++) {
     const i = ownerId(r.snapshotItem(k));
@@ -557,6 +696,7 @@ function runSearch() {
   hits = seen;
   for (const i of hitList) for (const a of ancestors(i)) inside.set(a, (inside.get(a) || 0) + 1);
   for (const i of new Set([...hits, ...inside.keys()])) refreshRow(i);
+  markFlow();
   if (n) {
     res.hidden = false;
     const shown = Math.min(n, MAX_LIST);
@@ -564,7 +704,8 @@ function runSearch() {
       const item = r.snapshotItem(k);
       const d = el('div', 'item', describe(item));
       const i = ownerId(item);
-      d.addEventListener('click', () => { hitIndex = hitList.indexOf(i); reveal(i); });
+      d.dataset.id = i;
+      d.addEventListener('click', () => goTo(hitList.indexOf(i)));
       res.append(d);
     }
     if (n > shown) res.append(el('div', 'dim', '\u2026 and ' + fmt(n - shown) + ' more'));
@@ -572,11 +713,74 @@ function runSearch() {
   $('count').dataset.totalMs = (performance.now() - t0).toFixed(2);
 }
 
+function goTo(k) {
+  const old = hitIndex >= 0 ? rows.get(hitList[hitIndex]) : null;
+  if (old) old.firstChild.classList.remove('cur');
+  hitIndex = k;
+  const i = hitList[k];
+  reveal(i);
+  const li = rows.get(i);
+  if (li) li.firstChild.classList.add('cur');
+  const n = Number($('count').dataset.count || hitList.length);
+  // Matches are counted per XPath result; stepping goes through the tree
+  // nodes that hold them, so k counts nodes when several results share one.
+  const total = hitList.length;
+  setCount(fmt(k + 1) + ' of ' + fmt(total) + (n !== total ? ' (' + fmt(n) + ' matches)' : ''),
+           false, n);
+  $('count').dataset.k = k + 1;
+  for (const d of document.querySelectorAll('#results .item')) {
+    const on = Number(d.dataset.id) === i;
+    d.classList.toggle('cur', on);
+    if (on) d.scrollIntoView({block: 'nearest'});
+  }
+}
+
 function step(delta) {
   if ($('search').value.trim() !== lastQuery) runSearch();
   if (!hitList.length) return;
-  hitIndex = (hitIndex + delta + hitList.length) % hitList.length;
-  reveal(hitList[hitIndex]);
+  goTo((hitIndex + delta + hitList.length) % hitList.length);
+}
+
+// ------------------------------------------------------------- keyboard
+
+function visibleRows() {
+  return [...document.querySelectorAll('#tree li')].map((li) => Number(li.dataset.id));
+}
+
+function onTreeKey(ev) {
+  if (ev.altKey || ev.ctrlKey || ev.metaKey) return;
+  const list = visibleRows();
+  let k = list.indexOf(selected);
+  const i = selected;
+  const has = i >= 0 && visibleChildren(i).length > 0;
+  switch (ev.key) {
+    case 'ArrowDown': k = Math.min(k + 1, list.length - 1); break;
+    case 'ArrowUp': k = Math.max(k - 1, 0); break;
+    case 'Home': k = 0; break;
+    case 'End': k = list.length - 1; break;
+    case 'ArrowRight':
+      if (has && !expanded.has(i)) { setExpanded(i, true); ev.preventDefault(); return; }
+      if (has) k = k + 1;
+      break;
+    case 'ArrowLeft':
+      if (has && expanded.has(i)) { setExpanded(i, false); ev.preventDefault(); return; }
+      if (parentOf[i] >= 0 && rows.has(parentOf[i])) k = list.indexOf(shownAncestor(i));
+      break;
+    case 'Enter': case ' ':
+      if (has) setExpanded(i, !expanded.has(i));
+      ev.preventDefault();
+      return;
+    default: return;
+  }
+  ev.preventDefault();
+  if (k < 0) k = 0;
+  if (list[k] !== undefined) select(list[k]);
+}
+
+function shownAncestor(i) {
+  let p = parentOf[i];
+  while (p >= 0 && !rows.has(p)) p = parentOf[p];
+  return p;
 }
 
 // ------------------------------------------------------------------ init
@@ -591,6 +795,16 @@ function index() {
   for (let i = 0; i < els.length; i++) {
     const p = els[i].parentNode;
     parentOf.push(p && ids.has(p) ? ids.get(p) : -1);
+  }
+  producersOf = new Map(); consumersOf = new Map();
+  for (let i = 0; i < els.length; i++) {
+    for (const c of els[i].children) {
+      const map = c.tagName === 'output' ? producersOf : c.tagName === 'input' ? consumersOf : null;
+      if (!map) continue;
+      const name = c.textContent;
+      if (!map.has(name)) map.set(name, []);
+      map.get(name).push(i);
+    }
   }
   D.pathCount = new Map();
   for (const e of els) {
@@ -621,12 +835,15 @@ async function main() {
   $('status').textContent = fmt(t.module_calls) + ' module calls \u00b7 ' + fmt(t.equations) +
     ' equations \u00b7 ' + fmt(t.params) + ' params \u00b7 yax ' + D.version;
   $('details').replaceChildren(el('p', 'hint',
-    'Click a node to see its attributes and Jaxpr. Type an XPath above ' +
-    '(e.g. //module_call[@type="Dense"]) and press Enter; Enter again jumps to the next match.'));
+    'Click a node to see its attributes, its Jaxpr and where its data comes from (green, ' +
+    'left edge) and goes to (orange, right edge). Keys: arrows move, Enter expands, / searches. ' +
+    'Type an XPath above (e.g. //module_call[@type="Dense"]) and press Enter; Enter again ' +
+    'jumps to the next match.'));
   $('tree').addEventListener('click', (ev) => {
     const li = ev.target.closest('li');
     if (!li) return;
     const i = Number(li.dataset.id);
+    $('tree').focus({preventScroll: true});
     if (ev.target.classList.contains('tw') || i === selected) {
       if (visibleChildren(i).length) setExpanded(i, !expanded.has(i));
     }
@@ -645,7 +862,19 @@ async function main() {
   $('next').addEventListener('click', () => step(1));
   $('prev').addEventListener('click', () => step(-1));
   $('show-eqns').addEventListener('change', renderTree);
-  $('collapse').addEventListener('click', () => { expanded.clear(); expanded.add(0); renderTree(); });
+  $('collapse').addEventListener('click', collapseAll);
+  $('expand').addEventListener('click', expandAll);
+  $('tree').addEventListener('keydown', onTreeKey);
+  document.addEventListener('keydown', (ev) => {
+    const typing = ev.target instanceof HTMLInputElement;
+    if (ev.key === '/' && !typing) { ev.preventDefault(); $('search').focus(); $('search').select(); }
+    else if (ev.key === 'Escape' && typing) { $('tree').focus(); }
+    else if (!typing && ev.target === document.body &&
+             ['ArrowDown', 'ArrowUp', 'ArrowLeft', 'ArrowRight', 'Home', 'End'].includes(ev.key)) {
+      $('tree').focus();
+      onTreeKey(ev);
+    }
+  });
   document.body.dataset.ready = 'true';
 }
 
