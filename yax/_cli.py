@@ -502,6 +502,42 @@ def html(model, output, title, no_compress):
     click.echo(f'wrote {output} ({human_bytes(len(text.encode()))})', err=True)
 
 
+@cli.command()
+@model_argument
+@click.option('--host', default='localhost', show_default=True,
+              help='Host the server listens on.')
+@click.option('--port', type=click.IntRange(min=1, max=65535), default=8080,
+              show_default=True, help='Port (8080: the first free one from 8080 on).')
+@click.option('--no-browser', is_flag=True, help='Do not open a browser tab.')
+@click.option('-o', '--output', metavar='FILE', default=None,
+              help='Only write the graph JSON to FILE (open it in Model '
+              'Explorer later) instead of serving it.')
+@debug_option
+def explorer(model, host, port, no_browser, output):
+  """Open the MoX in Google Model Explorer (needs the explorer extra).
+
+  Starts Model Explorer's local web server on the graph (layers nested by
+  module path, one node per equation, data-flow edges) and prints its URL;
+  Ctrl+C stops it.
+  """
+  from yax import _explorer
+  mox, label = trace_model(model)
+  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', label.rsplit('/', 1)[-1]) or 'model'
+  try:
+    if output not in (None, '-'):
+      with progress('building the graph'):
+        _explorer.write_graph(mox, output, graph_id=name)
+      click.echo(f'wrote {output}', err=True)
+      return
+    with progress('building the graph'):
+      _explorer.to_model_explorer(mox)  # fail early without the extra
+    sys.stdout.flush()
+    _explorer.serve(mox, name=name, host=host, port=port,
+                    open_browser=not no_browser)
+  except _explorer.ExplorerError as e:
+    raise _Failure(str(e)) from e
+
+
 # ----------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
