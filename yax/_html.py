@@ -447,19 +447,19 @@ function related(i, j) {
 function computeFlow(i) {
   // Producers of i's inputs and consumers of its outputs, outside i's own
   // ancestors and descendants (those only pass the values through).
-  const src = new Set(), dst = new Set();
+  const made = new Set(), read = new Set();
   for (const name of symbolNames(i, 'input'))
-    for (const j of producersOf.get(name) || []) if (!related(i, j)) src.add(j);
+    for (const j of producersOf.get(name) || []) if (!related(i, j)) made.add(j);
   for (const name of symbolNames(i, 'output'))
-    for (const j of consumersOf.get(name) || []) if (!related(i, j)) dst.add(j);
+    for (const j of consumersOf.get(name) || []) if (!related(i, j)) read.add(j);
   // A module call and the equation inside it that computes the value are
   // both producers: keep the outermost.
   const outermost = (set) => [...set].filter((j) => {
     for (let p = parentOf[j]; p >= 0; p = parentOf[p]) if (set.has(p)) return false;
     return true;
   });
-  flowSources = outermost(src);
-  flowTargets = outermost(dst);
+  flowSources = outermost(made);
+  flowTargets = outermost(read);
 }
 
 function shownRow(j) {

@@ -502,6 +502,33 @@ def _count(n: int) -> str:
   return f'{n:,}' if n else ''
 
 
+def _si(n: int) -> str:
+  """``22.4G``, ``886.5K``: three significant digits, for the most compact
+  layout."""
+  if not n:
+    return ''
+  for unit, scale in (('T', 1e12), ('G', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= scale:
+      return f'{n / scale:.1f}{unit}'
+  return str(n)
+
+
+def _params_si(row: SummaryRow) -> str:
+  text = f'{_si(row.params)}\n({human_bytes(row.param_bytes)})' if row.params else ''
+  for k, v in row.other_vars.items():
+    text += f'\n{k}: {_si(v)}'
+  return text.lstrip('\n')
+
+
+def _in_out(r: SummaryRow) -> str:
+  return '\n'.join(list(r.inputs) + ['\u2192 ' + o for o in r.outputs])
+
+
+def _vars_and_own(r: SummaryRow) -> str:
+  own = [f'own: {r.own_params:,}'] if r.own_params and r.own_params != r.params else []
+  return '\n'.join(list(r.variables) + own)
+
+
 # Layouts from the widest to the most compact: the first whose unbreakable
 # words fit the width is used. Each column: (header, cell(row), right, wrap).
 _LAYOUTS = [
@@ -521,14 +548,16 @@ _LAYOUTS = [
      ('params', _params_cell, True, False),
      ('FLOPs', lambda r: _count(r.flops), True, False)],
     [('path / module', lambda r: (r.path or '(top)') + '\n' + r.type, False, True),
-     ('inputs \u2192 outputs', lambda r: '\n'.join(
-         list(r.inputs) + ['\u2192 ' + o for o in r.outputs]), False, True),
-     ('variables', lambda r: '\n'.join(
-         list(r.variables) + ([f'own: {r.own_params:,}'] if r.own_params
-                              and r.own_params != r.params else [])),
-      False, True),
+     ('inputs \u2192 outputs', _in_out, False, True),
+     ('variables', _vars_and_own, False, True),
      ('params', _params_cell, True, False),
      ('FLOPs', lambda r: _count(r.flops), True, False)],
+    # Last resort: counts in K/M/G (exact figures are in yax.summary).
+    [('path / module', lambda r: (r.path or '(top)') + '\n' + r.type, False, True),
+     ('inputs \u2192 outputs', _in_out, False, True),
+     ('variables', _vars_and_own, False, True),
+     ('params', _params_si, True, False),
+     ('FLOPs', lambda r: _si(r.flops), True, False)],
 ]
 
 
@@ -559,7 +588,6 @@ def format_summary(mox: Mox, *, depth: int | None = None,
     if width is None or _min_table_width(columns, cells) <= width:
       break
   lines = [title] if title else []
-  lines += render_table(columns, cells, width)
   n, nbytes = total_params(mox)
   calls = sum(1 for _ in module_calls(mox))
   eqns = list(leaf_equations(mox))
@@ -577,9 +605,15 @@ def format_summary(mox: Mox, *, depth: int | None = None,
         'transcendentals)' if cost is not None else 'not available'))
   lines.append(f'{calls} module calls, {len(eqns)} equations, '
                f'{len(dynamic(mox.inputs))} inputs')
-  out = []
-  for line in lines:
-    out.extend(_wrap(line, width) if width and len(line) > width else [line])
+
+  def wrapped(texts):  # the title and the totals wrap too, at spaces
+    out = []
+    for line in texts:
+      out.extend(_wrap(line, width) if width and len(line) > width else [line])
+    return out
+  head = wrapped(lines[:1]) if title else []
+  out = head + render_table(columns, cells, width) + wrapped(
+      lines[1:] if title else lines)
   return '\n'.join(line.rstrip() for line in out) + '\n'
 
 
