@@ -13,8 +13,8 @@ network, no external scripts or styles):
 * a details panel for the selected node, its header sticky: XML attributes,
   inputs and outputs, parameter count, FLOPs, the nodes its inputs come from
   and its outputs go to, and its Jaxpr text (``str(node)``);
-* data flow: selecting a node marks the producers of its inputs (green, left
-  edge) and the consumers of its outputs (orange, right edge) in the tree,
+* data flow: selecting a node marks the producers of its inputs (a green
+  bar) and the consumers of its outputs (an orange bar) in the tree,
   at the nearest row that is shown; its own ancestors and descendants, which
   only pass the values through, are not marked;
 * a search box that evaluates XPath 1.0 in the browser
@@ -227,9 +227,10 @@ ul.deep ul { padding-left: 0; margin-left: 0; border-left: none; }
 .row.hit { background: var(--hit); box-shadow: inset 3px 0 var(--hit-line); }
 .row.sel.hit { background: linear-gradient(90deg, var(--hit), var(--sel)); }
 .row.cur { outline: 2px solid var(--hit-line); outline-offset: -2px; }
-.row.prod { box-shadow: inset 4px 0 var(--prod); }
-.row.cons { box-shadow: inset -4px 0 var(--cons); }
-.row.prod.cons { box-shadow: inset 4px 0 var(--prod), inset -4px 0 var(--cons); }
+/* Data flow: bars at the start of the row, which is always in view. */
+.row.prod { box-shadow: inset 5px 0 var(--prod); }
+.row.cons { box-shadow: inset 5px 0 var(--cons); }
+.row.prod.cons { box-shadow: inset 5px 0 var(--prod), inset 10px 0 var(--cons); }
 .flow-tag { font: 11px system-ui, sans-serif; border-radius: 8px; padding: 0 6px; color: #fff; }
 .flow-tag.prod { background: var(--prod); }
 .flow-tag.cons { background: var(--cons); }
@@ -835,8 +836,8 @@ async function main() {
   $('status').textContent = fmt(t.module_calls) + ' module calls \u00b7 ' + fmt(t.equations) +
     ' equations \u00b7 ' + fmt(t.params) + ' params \u00b7 yax ' + D.version;
   $('details').replaceChildren(el('p', 'hint',
-    'Click a node to see its attributes, its Jaxpr and where its data comes from (green, ' +
-    'left edge) and goes to (orange, right edge). Keys: arrows move, Enter expands, / searches. ' +
+    'Click a node to see its attributes, its Jaxpr and where its data comes from (green ' +
+    'bar) and goes to (orange bar). Keys: arrows move, Enter expands, / searches. ' +
     'Type an XPath above (e.g. //module_call[@type="Dense"]) and press Enter; Enter again ' +
     'jumps to the next match.'));
   $('tree').addEventListener('click', (ev) => {
