@@ -47,3 +47,25 @@ def tiny_resnet_mox():
       seed=0)
   images = jnp.ones((1, 3, 16, 16), jnp.float32)
   return yax.make_mox(lambda p, x: model(x, params=p))(model.params, images)
+
+
+@pytest.fixture(autouse=True)
+def _check_every_rewrite(monkeypatch):
+  """Runs ``yax.check_mox`` (scopes and types) on every tree that
+  ``yax.sub`` or ``yax.lora`` returns anywhere in the test suite."""
+  import yax
+
+  sub, lora = yax.sub, yax.lora
+
+  def checked_sub(*args, **kwargs):
+    new = sub(*args, **kwargs)
+    yax.check_mox(new)
+    return new
+
+  def checked_lora(*args, **kwargs):
+    res = lora(*args, **kwargs)
+    yax.check_mox(res.mox)
+    return res
+
+  monkeypatch.setattr(yax, 'sub', checked_sub)
+  monkeypatch.setattr(yax, 'lora', checked_lora)

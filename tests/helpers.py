@@ -68,3 +68,11 @@ def jit_eval(mox):
   """``jax.jit`` of ``eval_mox`` for this tree (non-array leaves static)."""
   return lambda *a, **k: jit_call(
       lambda *a, **k: yax.eval_mox(mox, *a, **k), *a, **k)
+
+
+def check_rewrite(mox):
+  """``yax.check_mox`` (scopes and types) on a tree a rewrite produced.
+
+  Every test that rewrites a tree calls this on the result."""
+  yax.check_mox(mox)
+  return mox

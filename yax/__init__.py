@@ -7,6 +7,7 @@
 
 from yax._check import InvariantError as InvariantError
 from yax._check import check_mox as check_mox
+from yax._errors import EvaluationError as EvaluationError
 from yax._errors import SignatureError as SignatureError
 from yax._errors import SubstitutionError as SubstitutionError
 from yax._errors import TraceError as TraceError
@@ -15,7 +16,7 @@ from yax._errors import YaxError as YaxError
 from yax._eval import Interpreter as Interpreter
 from yax._explorer import to_model_explorer as to_model_explorer
 from yax._eval import eval_mox as eval_mox
-from yax._eval import to_jaxpr as to_jaxpr
+from yax._lower import to_jaxpr as to_jaxpr
 from yax._ir import Equation as Equation
 from yax._ir import Expr as Expr
 from yax._ir import Literal as Literal

@@ -36,3 +36,8 @@ try:
   HAVE_PRINTER = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on JAX
   HAVE_PRINTER = False
+
+# Why: adding an input to a ``jit`` equation (a rewrite that threads a new
+# variable into an ``nn.jit`` body) needs the "no sharding given" marker JAX
+# puts in ``in_shardings`` for inputs without one; it has no public name.
+from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402,F401

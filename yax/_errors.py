@@ -21,3 +21,8 @@ class XPathError(YaxError, ValueError):
 
 class SubstitutionError(YaxError, ValueError):
   """A replacement does not fit the node it should replace."""
+
+
+class EvaluationError(YaxError):
+  """An equation failed while a module expression was evaluated; the message
+  names the module path and the equation, ``__cause__`` is the original."""

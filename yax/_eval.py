@@ -1,4 +1,4 @@
-"""Evaluation of module expressions, and conversion back to a Jaxpr.
+"""Evaluation of module expressions.
 
 ``Interpreter`` is the one walker that runs a tree: one method per node kind
 (``run_module``, ``run_equation``), an environment dict, read and write.
@@ -7,90 +7,36 @@ Subclass it to observe or change evaluation (e.g. record activations).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-from jax.extend import core as jex
 
-from yax._errors import SignatureError
-from yax._ir import (Equation, Expr, JaxDropVar, Literal, Mox, Symbol, Var,
-                     leaf_equations, new_jaxpr_eqn)
-
-
-# ------------------------------------------------------------- to_jaxpr
-
-class _JaxVars:
-  """Maps YAX symbols to fresh JAX variables (one per symbol)."""
-
-  def __init__(self):
-    self.env: dict[Symbol, Any] = {}
-
-  def __call__(self, sym: Symbol):
-    if isinstance(sym, Literal):
-      return jex.Literal(sym.value, sym.aval)
-    var = self.env.get(sym)
-    if var is None:
-      var = JaxDropVar(sym.aval) if sym.dropped else jex.Var(sym.aval)
-      self.env[sym] = var
-    return var
-
-
-def jax_equation(eqn: Equation, jv: _JaxVars):
-  return new_jaxpr_eqn(
-      [jv(s) for s in eqn.inputs], [jv(s) for s in eqn.outputs], eqn.prim,
-      eqn.params, eqn.effects, eqn.source_info, eqn.ctx)
-
-
-def dynamic(symbols: Sequence[Symbol]) -> list[Symbol]:
-  """Symbols that exist at run time (drops static Python values)."""
-  return [s for s in symbols if not (isinstance(s, Literal) and s.is_static)]
-
-
-def to_jaxpr(mox: Mox) -> jex.ClosedJaxpr:
-  """Returns an equivalent ``ClosedJaxpr`` with every module call inlined.
-
-  Its inputs are the dynamic inputs of ``mox`` (static Python values are
-  baked in), its outputs the dynamic outputs, so every Jaxpr tool
-  (``jax.core.eval_jaxpr``, ``jax.extend``-based passes) works on a MoX.
-  """
-  jv = _JaxVars()
-  constvars = [jv(s) for s in mox.constvars]
-  invars = [jv(s) for s in dynamic(mox.inputs)]
-  eqns = [jax_equation(e, jv) for e in leaf_equations(mox)]
-  outvars = [jv(s) for s in dynamic(mox.outputs)]
-  effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-  jaxpr = jex.Jaxpr(constvars, invars, outvars, eqns, effects)
-  return jex.ClosedJaxpr(jaxpr, list(mox.consts))
+from yax import _lower, _rules
+from yax._errors import EvaluationError, SignatureError
+from yax._ir import Equation, Expr, Literal, Mox, Symbol
+from yax._lower import dynamic, to_jaxpr  # noqa: F401 - re-exported
 
 
 # ---------------------------------------------------------- interpreter
-
-def _single_equation_jaxpr(eqn: Equation) -> jex.Jaxpr:
-  jv = _JaxVars()
-  ins = [jv(s) for s in eqn.inputs if not isinstance(s, Literal)]
-  jeqn = jax_equation(eqn, jv)
-  outs = [jex.Var(s.aval) if s.dropped else jv(s) for s in eqn.outputs]
-  jeqn = jeqn.replace(outvars=outs)
-  return jex.Jaxpr([], ins, outs, [jeqn], jeqn.effects)
-
-
-# Equations are immutable, so their one-equation Jaxprs are built once.
-_JAXPR_CACHE: 'weakref.WeakKeyDictionary[Equation, jex.Jaxpr]' = (
-    weakref.WeakKeyDictionary())
-
 
 class Interpreter:
   """Runs a tree node by node. Override a ``run_*`` method to change a kind.
 
   Each equation is executed by JAX's own ``jax.core.eval_jaxpr`` on a
   one-equation Jaxpr, so primitives with sub-Jaxprs (``jit``, ``scan``,
-  ``custom_jvp_call``) are bound exactly as JAX binds them.
+  ``custom_jvp_call``) are bound exactly as JAX binds them. An equation whose
+  body holds module calls (``nn.scan``, ``nn.remat``, ``nn.jit``) is bound
+  through its own primitive with a body that is this interpreter again
+  (traced by ``jax.make_jaxpr``, see ``_rules.RUN_RULES``), so a subclass
+  sees every module call, inside bodies too.
+
+  An exception raised while an equation runs is re-raised as
+  ``yax.EvaluationError`` naming the module path and the equation.
   """
 
   def __init__(self):
     self.env: dict[Symbol, Any] = {}
+    self.modules: list[Mox] = []  # the module calls being run, outermost first
 
   def read(self, sym: Symbol):
     if isinstance(sym, Literal):
@@ -103,12 +49,14 @@ class Interpreter:
 
   def run(self, mox: Mox, consts: Sequence[Any], inputs: Sequence[Any]) -> list:
     """Binds ``mox.constvars`` and ``mox.inputs``, runs, returns outputs."""
-    for s, v in zip(mox.constvars, consts):
-      self.write(s, v)
-    for s, v in zip(mox.inputs, inputs):
-      self.write(s, v)
+    _bind(self, mox.constvars, consts, 'constants')
+    _bind(self, mox.inputs, inputs, 'inputs')
     self.run_module(mox)
     return [self.read(s) for s in mox.outputs]
+
+  def run_body(self, body: Mox, args: Sequence[Any]) -> list:
+    """Runs the body of an equation (called while JAX traces it)."""
+    return self.run(body, body.consts, args)
 
   def run_node(self, node: Expr) -> None:
     if isinstance(node, Mox):
@@ -117,17 +65,62 @@ class Interpreter:
       self.run_equation(node)
 
   def run_module(self, mox: Mox) -> None:
-    for child in mox.children:
-      self.run_node(child)
+    self.modules.append(mox)
+    try:
+      for child in mox.children:
+        self.run_node(child)
+    finally:
+      self.modules.pop()
 
   def run_equation(self, eqn: Equation) -> None:
-    jaxpr = _JAXPR_CACHE.get(eqn)
-    if jaxpr is None:
-      jaxpr = _JAXPR_CACHE[eqn] = _single_equation_jaxpr(eqn)
-    args = [self.read(s) for s in eqn.inputs if not isinstance(s, Literal)]
-    outs = jax.core.eval_jaxpr(jaxpr, [], *args)
+    try:
+      if eqn.children:
+        params, inputs = _rules.run_rule(eqn)(self, eqn)
+        jaxpr = _lower.one_equation_jaxpr(eqn.replace(inputs=inputs), params)
+      else:
+        inputs, jaxpr = eqn.inputs, _lower.one_equation_jaxpr(eqn)
+      args = [self.read(s) for s in inputs if not isinstance(s, Literal)]
+      outs = jax.core.eval_jaxpr(jaxpr, [], *args)
+    except EvaluationError:
+      raise  # raised in a body, where the module path is known best
+    except Exception as e:  # noqa: BLE001 - re-raised with where it happened
+      raise EvaluationError(_failure(self, eqn, e)) from e
     for s, v in zip(eqn.outputs, outs):
       self.write(s, v)
+
+
+def _bind(interp: Interpreter, symbols, values, what: str) -> None:
+  symbols, values = list(symbols), list(values)
+  if len(symbols) != len(values):
+    raise EvaluationError(f'the tree has {len(symbols)} {what} but '
+                          f'{len(values)} values were given')
+  for s, v in zip(symbols, values):
+    interp.write(s, v)
+
+
+def _failure(interp: Interpreter, eqn: Equation, error: Exception) -> str:
+  module = next((m for m in reversed(interp.modules) if not m.is_ephemeral),
+                None)
+  if module is None:
+    where = 'at the top level (no module call)'
+  else:
+    where = (f"in module call {module.type_name}.{module.entrypoint} at path "
+             f"'{'/'.join(module.path) or '<root>'}'")
+  if isinstance(error, KeyError) and error.args and isinstance(
+      error.args[0], Symbol):
+    problem = (f'it reads {error.args[0]!r}, which is not defined in its '
+               'scope (check the tree with yax.check_mox)')
+  else:
+    problem = f'{type(error).__name__}: {error}'
+  if eqn.children:  # the header only; bodies can be long
+    name = f'[name={eqn.name}]' if eqn.name else ''
+    text = (f"{' '.join(s.type_str for s in eqn.outputs)} = {eqn.prim.name}"
+            f"{name} {' '.join(s.type_str for s in eqn.inputs)}")
+  else:
+    text = str(eqn)
+  text = text if len(text) <= 300 else text[:300] + ' ...'
+  return (f'evaluating equation {eqn.prim.name} {where} failed: {problem}\n'
+          f'  equation: {text}')
 
 
 # ------------------------------------------------------------- eval_mox

@@ -21,14 +21,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as jex
-
-# Version shim (public APIs only). ``jax.extend.core`` exports ``DropVar`` and
-# ``new_jaxpr_eqn`` from jax 0.8.1 on; jax 0.8.0 (the oldest supported
-# release) has them only as ``jax.core.DropVar`` / ``jax.core.new_jaxpr_eqn``,
-# which later releases deprecate. Prefer the ``jax.extend`` names.
-JaxDropVar = getattr(jex, 'DropVar', None) or jax.core.DropVar
-new_jaxpr_eqn = getattr(jex, 'new_jaxpr_eqn', None) or jax.core.new_jaxpr_eqn
 
 
 class Symbol:
@@ -128,20 +120,28 @@ class Equation(Expr):
   """One application of a JAX primitive.
 
   ``prim`` is the primitive and ``params`` its parameters, exactly as in a
-  Jaxpr (for ``jit``: ``name``, ``jaxpr``, ...). When a parameter holds a
-  Jaxpr in which Flax modules were called (``nn.scan``, ``nn.remat``,
-  ``nn.jit``), that body is also available as a tree in ``children``: one
-  ephemeral :class:`Mox` per such parameter, named by ``body_keys``.
+  Jaxpr (for ``jit``: ``name``, ``jaxpr``, ...), with one exception: a
+  body in which Flax modules were called (``nn.scan``, ``nn.remat``,
+  ``nn.jit``, ``cond``/``while`` over modules) lives only in ``children``,
+  one ephemeral :class:`Mox` per body, and its key is not in ``params``.
+  ``body_keys`` names where each body goes (``'jaxpr'``, or
+  ``('branches', 0)`` for an element of a tuple parameter) and
+  ``body_forms`` which Jaxpr form the primitive takes there (``'closed'``
+  or ``'open'``). ``yax._lower.equation_params`` gives the parameters
+  with the bodies lowered, as JAX needs them.
   """
 
-  __slots__ = ('prim', 'children', 'body_keys', 'effects', 'source_info', 'ctx')
+  __slots__ = ('prim', 'children', 'body_keys', 'body_forms', 'effects',
+               'source_info', 'ctx')
 
   def __init__(self, prim, inputs, outputs, params=None, *, children=(),
-               body_keys=(), effects=frozenset(), source_info=None, ctx=None):
+               body_keys=(), body_forms=(), effects=frozenset(),
+               source_info=None, ctx=None):
     super().__init__(inputs, outputs, params)
     self.prim = prim
     self.children = list(children)
     self.body_keys = list(body_keys)
+    self.body_forms = list(body_forms)
     self.effects = effects
     self.source_info = source_info
     self.ctx = ctx
@@ -156,9 +156,10 @@ class Equation(Expr):
     name = self.params.get('name')
     if isinstance(name, str):
       return name
-    for value in self.params.values():
-      jaxpr = getattr(value, 'jaxpr', value)
-      info = getattr(jaxpr, 'debug_info', None)
+    infos = [getattr(getattr(value, 'jaxpr', value), 'debug_info', None)
+             for value in self.params.values()]
+    infos += [body.debug_info for body in self.children]
+    for info in infos:
       src = getattr(info, 'func_src_info', None)
       # Skip JAX's placeholder for a Jaxpr built without debug info.
       if isinstance(src, str) and src and src != '<missing_debug_info>':
@@ -185,15 +186,19 @@ class Mox(Expr):
     out_tree: treedef of the result.
     var_tree: treedef of the module variables read by the call; the first
       ``var_tree.num_leaves`` inputs are these variables.
-    constvars, consts: constants captured by the trace (root node only).
+    constvars, consts: constants captured by the trace (the root and
+      bodies of equations only).
+    debug_info: JAX's ``DebugInfo`` of the traced function or body (function
+      and argument names), kept for lowering; ``None`` for a module call.
   """
 
   __slots__ = ('children', 'module_ty', 'entrypoint', 'path', 'in_tree',
-               'out_tree', 'var_tree', 'constvars', 'consts')
+               'out_tree', 'var_tree', 'constvars', 'consts', 'debug_info')
 
   def __init__(self, inputs, outputs, params=None, *, children=(),
                module_ty=None, entrypoint=None, path=(), in_tree=None,
-               out_tree=None, var_tree=None, constvars=(), consts=()):
+               out_tree=None, var_tree=None, constvars=(), consts=(),
+               debug_info=None):
     super().__init__(inputs, outputs, params)
     self.children = list(children)
     self.module_ty = module_ty
@@ -204,6 +209,7 @@ class Mox(Expr):
     self.var_tree = var_tree if var_tree is not None else EMPTY_TREE
     self.constvars = list(constvars)
     self.consts = list(consts)
+    self.debug_info = debug_info
 
   @property
   def is_ephemeral(self) -> bool:

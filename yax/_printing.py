@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from jax.extend import core as jex
 
-from yax import _compat
-from yax._eval import _JaxVars, dynamic, jax_equation
+from yax import _compat, _lower
 from yax._format import format_value
-from yax._ir import Equation, Expr, Mox, new_jaxpr_eqn
+from yax._ir import Equation, Expr, Mox
+from yax._lower import dynamic, jax_equation, new_jaxpr_eqn
 
 module_call_p = jex.Primitive('module_call')
 module_call_p.multiple_results = True
@@ -74,7 +74,7 @@ if _compat.HAVE_PRINTER:
 
 class _Display:
   def __init__(self):
-    self.jv = _JaxVars()
+    self.jv = _lower.JaxVars()
 
   def eqns(self, children) -> list:
     out = []
@@ -98,18 +98,10 @@ class _Display:
   def equation(self, eqn: Equation):
     if not eqn.children:
       return jax_equation(eqn, self.jv)
-    params = dict(eqn.params)
-    for key, body in zip(eqn.body_keys, eqn.children):
-      shown = _Display().closed(body)
-      if isinstance(key, tuple):
-        name, i = key
-        seq = list(params[name])
-        seq[i] = shown if isinstance(seq[i], jex.ClosedJaxpr) else shown.jaxpr
-        params[name] = type(params[name])(seq)
-      else:
-        params[key] = (shown if isinstance(params[key], jex.ClosedJaxpr)
-                       else shown.jaxpr)
-    return jax_equation(eqn.replace(params=params), self.jv)
+    shown = [_Display().closed(body) for body in eqn.children]
+    shown = [s if form == _lower.CLOSED else s.jaxpr
+             for s, form in zip(shown, eqn.body_forms)]
+    return jax_equation(eqn, self.jv, _lower.set_bodies(eqn, shown))
 
   def closed(self, mox: Mox) -> jex.ClosedJaxpr:
     jv = self.jv
@@ -120,8 +112,8 @@ class _Display:
     eqns = self.eqns(mox.children)
     outvars = [jv(s) for s in dynamic(mox.outputs)]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    return jex.ClosedJaxpr(jex.Jaxpr(constvars, invars, outvars, eqns, effects),
-                           list(mox.consts))
+    return _lower.make_closed(
+        jex.Jaxpr(constvars, invars, outvars, eqns, effects), mox.consts)
 
 
 def display_jaxpr(expr: Expr) -> jex.ClosedJaxpr:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence, Union
 import jax
 from jax import tree_util as jtu
 
+from yax import _lower, _rules
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var
 
@@ -118,6 +119,8 @@ class _Frame:
   new_vars: list  # (loc, Var)
   new_args: list  # Var
   is_body: bool = False  # the body of an equation (nn.scan, nn.remat ...)
+  # Constants of replacements, defined in this body (or the root).
+  new_consts: list = dataclasses.field(default_factory=list)  # (Var, value)
 
 
 class _Substitution:
@@ -129,7 +132,6 @@ class _Substitution:
     self.ren: dict[Symbol, Symbol] = {}
     self.stack: list[_Frame] = []
     self.added: dict[Loc, Var] = {}  # new variables by location
-    self.new_consts: list[tuple[Var, Any]] = []
     self._index_root()
 
   # -- where variables live in the root arguments
@@ -142,19 +144,26 @@ class _Substitution:
       self.keypaths[root.inputs[i]] = tuple(_key_name(k) for k in keypath)
     self.locs: dict[Loc, Symbol] = {}
     self.prefix: dict[str, tuple] = {}  # collection -> root keypath prefix
-    stack = list(root.children)
+    # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
+    # input stands for the equation input it receives (``alias``).
+    stack = [(c, {}) for c in root.children]
     while stack:
-      node = stack.pop()
-      if not isinstance(node, Mox):
-        continue  # equation bodies have their own (inner) variables
-      stack.extend(node.children)
+      node, alias = stack.pop()
+      if isinstance(node, Equation):
+        for index, body in enumerate(node.children):
+          outer = _rules.body_input_sources(node, index)
+          inner = {b: alias.get(o, o) for b, o in zip(body.inputs, outer)}
+          stack.extend((c, {**alias, **inner}) for c in body.children)
+        continue
+      stack.extend((c, alias) for c in node.children)
       if node.is_ephemeral:
         continue
       for loc, sym in _var_locs(node):
-        keypath = self.keypaths.get(sym)
+        keypath = self.keypaths.get(alias.get(sym, sym))
         if keypath is None:
-          continue
-        self.locs.setdefault(loc, sym)
+          continue  # not read from the arguments (computed inside fn)
+        if not alias:  # a symbol of the root scope
+          self.locs.setdefault(loc, sym)
         tail = tuple(loc[1:])
         if len(keypath) > len(tail) and tuple(
             str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
@@ -234,100 +243,69 @@ class _Substitution:
       if inputs == eqn.inputs:
         return eqn
       return eqn.replace(inputs=inputs)
-    bodies = []
-    params = dict(eqn.params)
-    for body in eqn.children:
+    where = _where(eqn, self.enclosing_path())
+    bodies, needed, const_values = [], [], {}
+    for index, (body, form) in enumerate(zip(eqn.children, eqn.body_forms)):
       frame = _Frame(body, [], [], is_body=True)
       self.stack.append(frame)
       children = self.rebuild_children(body.children)
       self.stack.pop()
       if frame.new_args:
         raise SubstitutionError(
-            f'the replacement inside the body of {_where(eqn, self.enclosing_path())} needs '
+            f'the replacement inside the body of {where} needs '
             f'{len(frame.new_args)} extra arguments; inside lifted transforms '
             '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
             'arguments of the node it replaces')
       outputs = [self.rename(s) for s in body.outputs]
-      body_inputs = list(body.inputs)
-      if frame.new_vars:
-        inputs, body_inputs, params = self._thread_variables(
-            eqn, inputs, body_inputs, params, frame)
-      bodies.append(body if all(a is b for a, b in zip(children, body.children))
-                    and outputs == body.outputs and body_inputs == body.inputs
-                    else body.replace(
-                        children=children, outputs=outputs, inputs=body_inputs,
-                        in_tree=jax.tree_util.tree_structure(list(body_inputs))))
+      if (any(a is not b for a, b in zip(children, body.children))
+          or outputs != body.outputs or frame.new_consts):
+        body = body.replace(children=children, outputs=outputs)
+      if frame.new_consts:
+        if form == _lower.CLOSED and eqn.prim.name in _rules.CONSTS_IN_BODY:
+          body = body.replace(
+              constvars=[*body.constvars, *(v for v, _ in frame.new_consts)],
+              consts=[*body.consts, *(c for _, c in frame.new_consts)])
+        else:  # passed in from outside, like a loop-invariant variable
+          for var, value in frame.new_consts:
+            key = _rules.ConstKey(('const', id(var)))
+            const_values[key] = value
+            needed.append(_rules.Needed(index, key, var))
+      seen = {}
+      for loc, inner in frame.new_vars:
+        seen.setdefault(loc, inner)
+      for loc, inner in seen.items():
+        needed.append(_rules.Needed(
+            index, loc, inner, self._sibling_position(body, loc)))
+      bodies.append(body)
+    params = eqn.params
+    if needed:
+      done = _rules.thread(eqn, inputs, bodies, params, needed, where)
+      inputs, params = done.inputs, done.params
+      bodies = [b if b.inputs == old.inputs else
+                b.replace(in_tree=jax.tree_util.tree_structure(list(b.inputs)))
+                for b, old in zip(done.bodies, bodies)]
+      enclosing = next((f for f in reversed(self.stack) if f.is_body),
+                       self.stack[0])
+      outer_vars = []
+      for key, var in done.outer:
+        if isinstance(key, _rules.ConstKey):
+          enclosing.new_consts.append((var, const_values[key]))
+        else:
+          outer_vars.append((key, var))
+      for f in reversed(self.stack):
+        f.new_vars.extend(outer_vars)
+        if f.is_body:
+          break
+      if not any(f.is_body for f in self.stack):
+        for loc, var in outer_vars:
+          self.added[loc] = var
     if inputs == eqn.inputs and all(a is b for a, b in zip(bodies, eqn.children)):
       return eqn
-    from yax._trace import body_to_param
-    for key, body in zip(eqn.body_keys, bodies):
-      if isinstance(key, tuple):
-        name, i = key
-        seq = list(params[name])
-        seq[i] = body_to_param(body, seq[i])
-        params[name] = type(params[name])(seq)
-      else:
-        params[key] = body_to_param(body, params[key])
-    return eqn.replace(inputs=inputs, children=bodies, params=params)
+    return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
 
-  def _thread_variables(self, eqn, inputs, body_inputs, params, frame):
-    """Passes variables created inside a body in from outside.
-
-    ``scan``: a variable whose siblings are scanned over (``variable_axes``
-    0, Flax's default for params) is added as a new scanned input of shape
-    ``[length, *shape]``; one whose siblings are loop constants is added as a
-    constant. ``checkpoint`` (``nn.remat``): a new input of the same shape.
-    The outer variables then propagate up like any new variable.
-    """
-    name = eqn.prim.name
-    seen = {}
-    for loc, inner in frame.new_vars:
-      seen.setdefault(loc, inner)
-    if name == 'scan':
-      num_consts, num_carry = params['num_consts'], params['num_carry']
-      length = params['length']
-      has_linear = 'linear' in params  # dropped from scan in newer JAX
-      linear = list(params.get('linear', [False] * len(inputs)))
-      new_consts, new_xs, outer_consts, outer_xs = [], [], [], []
-      for loc, inner in seen.items():
-        sibling = self._sibling_position(frame.node, body_inputs, loc)
-        if sibling is not None and sibling < num_consts:
-          new_consts.append(inner)
-          outer_consts.append((loc, Var(inner.aval)))
-        else:
-          aval = inner.aval.update(shape=(length, *inner.aval.shape))
-          new_xs.append(inner)
-          outer_xs.append((loc, Var(aval)))
-      body_inputs = (body_inputs[:num_consts] + new_consts +
-                     body_inputs[num_consts:] + new_xs)
-      inputs = (inputs[:num_consts] + [v for _, v in outer_consts] +
-                inputs[num_consts:] + [v for _, v in outer_xs])
-      linear = (linear[:num_consts] + [False] * len(new_consts) +
-                linear[num_consts:] + [False] * len(new_xs))
-      params['num_consts'] = num_consts + len(new_consts)
-      if has_linear:
-        params['linear'] = tuple(linear)
-      outer = outer_consts + outer_xs
-    elif name in ('checkpoint', 'remat2', 'remat'):
-      outer = [(loc, Var(inner.aval)) for loc, inner in seen.items()]
-      body_inputs = body_inputs + list(seen.values())
-      inputs = inputs + [v for _, v in outer]
-    else:
-      raise SubstitutionError(
-          f"cannot add variables ({', '.join('/'.join(l) for l in seen)}) "
-          f'inside the body of {_where(eqn, self.enclosing_path())}: only scan (nn.scan) and '
-          'checkpoint (nn.remat) bodies can take new variables')
-    for f in reversed(self.stack):
-      f.new_vars.extend(outer)
-      if f.is_body:
-        break
-    for loc, var in outer:
-      if not any(f.is_body for f in self.stack):
-        self.added[loc] = var
-    return inputs, body_inputs, params
-
-  def _sibling_position(self, body: Mox, body_inputs, loc) -> int | None:
+  def _sibling_position(self, body: Mox, loc) -> int | None:
     """Position among the body inputs of a variable in the same module."""
+    body_inputs = body.inputs
     module_path = tuple(loc[1:-1])
     for node in body.children:
       stack = [node]
@@ -371,10 +349,14 @@ class _Substitution:
     wiring: dict[Symbol, Symbol] = {}
     extra_args: list[Var] = []
     new_vars: list[tuple[Loc, Var]] = []
+    # Constants are defined in the innermost body (or the root) around the
+    # node, since a body cannot read symbols of the scope outside it.
+    home = next((f for f in reversed(self.stack) if f.is_body), self.stack[0])
+    new_consts = []
     for const_var, value in consts:
       fresh = Var(const_var.aval)
       wiring[const_var] = fresh
-      self.new_consts.append((fresh, value))
+      new_consts.append((fresh, value))
 
     is_module = isinstance(template, Mox) and not template.is_ephemeral
     if is_module:
@@ -422,6 +404,7 @@ class _Substitution:
     # Only now, when nothing can fail any more, record what the copy needs.
     for old, new in zip(old_outs, new_outs):
       self.ren[old] = new
+    home.new_consts.extend(new_consts)
     if not any(f.is_body for f in self.stack):
       for loc, var in new_vars:
         self.added[loc] = var
@@ -491,8 +474,8 @@ class _Substitution:
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
     outputs = [self.rename(s) for s in root.outputs]
-    constvars = list(root.constvars) + [v for v, _ in self.new_consts]
-    consts = list(root.consts) + [c for _, c in self.new_consts]
+    constvars = list(root.constvars) + [v for v, _ in frame.new_consts]
+    consts = list(root.consts) + [c for _, c in frame.new_consts]
     return root.replace(inputs=inputs, outputs=outputs, children=children,
                         in_tree=in_tree, constvars=constvars, consts=consts)
 

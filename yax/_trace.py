@@ -27,9 +27,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _markers
+from yax import _lower, _markers
 from yax._errors import TraceError
-from yax._ir import EMPTY_TREE, Equation, JaxDropVar, Literal, Mox, Symbol, Var
+from yax._ir import Equation, Literal, Mox, Symbol, Var
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -92,23 +92,39 @@ def module_fields(module: nn.Module) -> dict:
   return {name: getattr(module, name, None) for name in names}
 
 
+class _Trace:
+  """One ``make_mox`` trace: its call records, by call id."""
+
+  def __init__(self):
+    self.records: dict[int, CallRecord] = {}
+
+
 _ids = itertools.count()
 _state = threading.local()
 
 
-def _recording():
-  return getattr(_state, 'records', None)
+def _active() -> list[_Trace]:
+  stack = getattr(_state, 'traces', None)
+  if stack is None:
+    stack = _state.traces = []
+  return stack
 
 
-def _interceptor(next_fun, args, kwargs, context):
-  records = _recording()
-  if records is None or context.method_name == 'setup':
+def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
+  active = _active()
+  # A nested ``make_mox`` (called while ``fn`` of an outer one runs) installs
+  # its own interceptor; only the innermost trace records, so the inner tree
+  # is the same as when traced alone and the outer one sees no markers twice.
+  if not active or active[-1] is not trace or context.method_name == 'setup':
     return next_fun(*args, **kwargs)
   module = context.module
-  try:
-    variables = module.variables
-  except Exception:  # unbound module: nothing to record
+  if module.scope is None:
+    # Why skipping is right: a method of an unbound module (called outside
+    # ``apply``/``init``, e.g. a helper that only reads dataclass fields)
+    # has no variables and no scope path; it is recorded by nothing, and
+    # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
+  variables = module.variables
   var_leaves, var_tree = tree_flatten(dict(variables))
   if not all(map(is_traced_value, var_leaves)):  # rare: drop non-array leaves
     variables = jax.tree_util.tree_map(
@@ -124,7 +140,7 @@ def _interceptor(next_fun, args, kwargs, context):
       arg_statics={i: x for i, x in enumerate(leaves)
                    if not is_traced_value(x)},
       num_arg_leaves=len(leaves))
-  records[call_id] = record
+  trace.records[call_id] = record
 
   marked = _markers.enter_p.bind(
       *var_leaves, *[leaves[i] for i in dyn], call_id=call_id,
@@ -147,6 +163,15 @@ def _interceptor(next_fun, args, kwargs, context):
   for i, x in zip(out_dyn, marked):
     out_leaves[i] = x
   return tree_unflatten(out_tree, out_leaves)
+
+
+# Every trace runs under a fresh value of this JAX user context. JAX keys its
+# tracing, lowering and compilation caches on it (``jax.make_user_context``),
+# so a YAX trace never reuses a Jaxpr that ``jax.jit`` (or Flax's ``nn.jit``)
+# traced without markers, and no later plain call reuses one traced with
+# markers. The user's cache entries stay where they are: nothing is cleared.
+_trace_context = jax.make_user_context(default_value=None)
+_trace_numbers = itertools.count(1)
 
 
 # ------------------------------------------------------------ make_mox
@@ -179,26 +204,29 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     dyn = [i for i, x in enumerate(leaves) if is_dynamic_arg(x)]
     out_info = {}
 
+    this = _Trace()
+    active = _active()
+
     def flat_fn(*dyn_vals):
       full = list(leaves)
       for i, v in zip(dyn, dyn_vals):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
-      with nn.intercept_methods(_interceptor):
+      with nn.intercept_methods(functools.partial(_interceptor, this)):
         out = fn(*a, **k)
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
       out_info.update(tree=out_tree, leaves=out_leaves, dyn=out_dyn)
       return [out_leaves[i] for i in out_dyn]
 
-    outer = _recording()
-    _state.records = records = {} if outer is None else outer
+    active.append(this)
     try:
-      closed = jax.make_jaxpr(flat_fn, **jaxpr_kwargs)(
-          *[leaves[i] for i in dyn])
+      with _trace_context(next(_trace_numbers)):
+        closed = jax.make_jaxpr(flat_fn, **jaxpr_kwargs)(
+            *[leaves[i] for i in dyn])
     finally:
-      _state.records = outer
-    return build_root(closed, records, leaves, in_tree, dyn, out_info)
+      active.pop()
+    return build_root(closed, this.records, leaves, in_tree, dyn, out_info)
 
   return trace
 
@@ -218,27 +246,18 @@ def build_root(closed, records, leaves, in_tree, dyn, out_info) -> Mox:
              for i, x in enumerate(out_info['leaves'])]
   return Mox(inputs, outputs, {}, children=children, in_tree=in_tree,
              out_tree=out_info['tree'], constvars=constvars,
-             consts=list(closed.consts))
+             consts=list(closed.consts), debug_info=jaxpr.debug_info)
 
 
 # -------------------------------------------------------- tree builder
 
 def contains_markers(jaxpr) -> bool:
-  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
-  for eqn in jaxpr.eqns:
+  for eqn in _lower.open_part(jaxpr).eqns:
     if eqn.primitive in _markers.MARKERS:
       return True
-    if any(contains_markers(j) for j in _sub_jaxprs(eqn.params)):
+    if any(contains_markers(j) for _, j, _ in _lower.body_params(eqn.params)):
       return True
   return False
-
-
-def _sub_jaxprs(params):
-  for value in params.values():
-    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
-      yield value
-    elif isinstance(value, (tuple, list)):
-      yield from (v for v in value if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)))
 
 
 @dataclasses.dataclass
@@ -258,7 +277,7 @@ class _Builder:
     self.env: dict[Any, Symbol] = {}
 
   def bind(self, v) -> Var:
-    sym = Var(v.aval, dropped=isinstance(v, JaxDropVar))
+    sym = Var(v.aval, dropped=isinstance(v, _lower.JaxDropVar))
     self.env[v] = sym
     return sym
 
@@ -266,6 +285,15 @@ class _Builder:
     if isinstance(v, jex.Literal):
       return Literal(v.val, v.aval)
     return self.env[v]
+
+  def record(self, call_id: int) -> CallRecord:
+    record = self.records.get(call_id)
+    if record is None:
+      raise TraceError(
+          f'internal: the traced Jaxpr has a yax_enter marker for module call '
+          f'{call_id}, which this trace did not record (a Jaxpr traced by '
+          'another make_mox reached this one)')
+    return record
 
   def build_body(self, jaxpr) -> list:
     root = _Frame(-1, None, [], [], [])
@@ -277,31 +305,42 @@ class _Builder:
         for o, s in zip(eqn.outvars, ins[n:]):
           self.env[o] = s
         call_id = eqn.params['call_id']
-        stack.append(_Frame(call_id, self.records.get(call_id), ins[:n],
+        stack.append(_Frame(call_id, self.record(call_id), ins[:n],
                             ins[n:], []))
       elif eqn.primitive is _markers.exit_p:
         outs = [self.read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs):
           self.env[o] = s
         call_id = eqn.params['call_id']
-        if not any(f.call_id == call_id for f in stack[1:]):
-          continue  # its enter marker was removed by a transformation
-        while stack[-1].call_id != call_id:  # unmatched enter: splice it
-          frame = stack.pop()
-          stack[-1].children.extend(frame.children)
         frame = stack.pop()
+        if frame.call_id != call_id:
+          raise self._unmatched(frame, call_id)
         stack[-1].children.append(self._module_call(frame, outs))
       else:
         stack[-1].children.append(self.equation(eqn))
-    while len(stack) > 1:
-      frame = stack.pop()
-      stack[-1].children.extend(frame.children)
+    if len(stack) > 1:
+      raise self._unmatched(stack[-1], None)
     return root.children
+
+  def _unmatched(self, frame: _Frame, exit_id) -> TraceError:
+    def name(call_id):
+      rec = self.records.get(call_id)
+      if rec is None:
+        return f'call {call_id}'
+      return (f"{rec.module_ty.__name__}.{rec.method} at path "
+              f"'{'/'.join(rec.path) or '<root>'}'")
+    found = ('the end of the body' if exit_id is None
+             else f'the exit of {name(exit_id)}')
+    where = ('the top level' if frame.call_id < 0
+             else f'the module call {name(frame.call_id)}')
+    return TraceError(
+        f'internal: module call markers are not nested: inside {where}, '
+        f'found {found}. A JAX transformation inside the traced function '
+        'moved or removed a yax_enter/yax_exit marker; please report this '
+        'with the function that was traced')
 
   def _module_call(self, frame: _Frame, dyn_outs) -> Mox:
     rec = frame.record
-    if rec is None:
-      raise TraceError(f'internal: no record for module call {frame.call_id}')
     args = iter(frame.arg_inputs)
     arg_syms = [Literal(rec.arg_statics[i]) if i in rec.arg_statics
                 else next(args) for i in range(rec.num_arg_leaves)]
@@ -316,34 +355,27 @@ class _Builder:
   def equation(self, eqn) -> Equation:
     inputs = [self.read(v) for v in eqn.invars]
     params = dict(eqn.params)
-    bodies, keys = [], []
-    for key, value in eqn.params.items():
-      if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
-        if contains_markers(value):
-          body = self.subtree(value)
-          bodies.append(body)
-          keys.append(key)
-          params[key] = body_to_param(body, value)
-      elif isinstance(value, (tuple, list)) and any(
-          isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) and contains_markers(v)
-          for v in value):
-        new = list(value)
-        for i, v in enumerate(value):
-          if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)) and contains_markers(v):
-            body = self.subtree(v)
-            bodies.append(body)
-            keys.append((key, i))
-            new[i] = body_to_param(body, v)
-        params[key] = type(value)(new)
+    found = _lower.body_params(eqn.params)
+    # A parameter holding a body with module calls moves, whole, into the
+    # children (all elements of a tuple parameter such as ``branches``).
+    moved = {key[0] if isinstance(key, tuple) else key
+             for key, value, _ in found if contains_markers(value)}
+    bodies, keys, forms = [], [], []
+    for key, value, form in found:
+      name = key[0] if isinstance(key, tuple) else key
+      if name in moved:
+        bodies.append(self.subtree(value))
+        keys.append(key)
+        forms.append(form)
+        params.pop(name, None)
     outputs = [self.bind(v) for v in eqn.outvars]
     return Equation(eqn.primitive, inputs, outputs, params, children=bodies,
-                    body_keys=keys, effects=eqn.effects,
+                    body_keys=keys, body_forms=forms, effects=eqn.effects,
                     source_info=eqn.source_info, ctx=eqn.ctx)
 
   def subtree(self, jaxpr_like) -> Mox:
     """An ephemeral node for a Jaxpr held in an equation's parameters."""
-    closed = isinstance(jaxpr_like, jex.ClosedJaxpr)
-    jaxpr = jaxpr_like.jaxpr if closed else jaxpr_like
+    jaxpr = _lower.open_part(jaxpr_like)
     constvars = [self.bind(v) for v in jaxpr.constvars]
     inputs = [self.bind(v) for v in jaxpr.invars]
     children = self.build_body(jaxpr)
@@ -351,28 +383,5 @@ class _Builder:
     return Mox(inputs, outputs, {}, children=children,
                in_tree=jax.tree_util.tree_structure(list(inputs)),
                out_tree=jax.tree_util.tree_structure(list(outputs)),
-               constvars=constvars,
-               consts=list(jaxpr_like.consts) if closed else [])
-
-
-def body_to_param(body: Mox, like):
-  """Converts a body back to the parameter form it came in (marker-free)."""
-  from yax._eval import to_jaxpr
-  closed = to_jaxpr(body)
-  # Keep the original debug info (function name, argument names): markers
-  # change neither the inputs nor the outputs, so it still describes the body,
-  # and JAX (and ``Equation.name``) show ``scan`` bodies by that name.
-  # A rewrite that adds inputs (new variables threaded into a scan body)
-  # invalidates it: JAX checks that the argument names match the inputs.
-  info = getattr(getattr(like, 'jaxpr', like), 'debug_info', None)
-  names = getattr(info, 'arg_names', None)
-  results = getattr(info, 'result_paths', None)
-  if (names is not None and len(names) != len(closed.jaxpr.invars)) or (
-      results is not None and len(results) != len(closed.jaxpr.outvars)):
-    info = None
-  if info is not None:
-    closed = jex.ClosedJaxpr(closed.jaxpr.replace(debug_info=info),
-                             closed.consts)
-  if isinstance(like, jex.ClosedJaxpr):
-    return closed
-  return closed.jaxpr
+               constvars=constvars, consts=_lower.consts_of(jaxpr_like),
+               debug_info=jaxpr.debug_info)
