@@ -49,10 +49,11 @@ def tiny_resnet_mox():
   return yax.make_mox(lambda p, x: model(x, params=p))(model.params, images)
 
 
-@pytest.fixture(autouse=True)
-def _check_every_rewrite(monkeypatch):
+@pytest.fixture(autouse=True, scope='session')
+def _check_every_rewrite():
   """Runs ``yax.check_mox`` (scopes and types) on every tree that
-  ``yax.sub`` or ``yax.lora`` returns anywhere in the test suite."""
+  ``yax.sub`` or ``yax.lora`` returns anywhere in the test suite (session
+  scope: hypothesis tests accept no function-scoped fixtures)."""
   import yax
 
   sub, lora = yax.sub, yax.lora
@@ -67,5 +68,6 @@ def _check_every_rewrite(monkeypatch):
     yax.check_mox(res.mox)
     return res
 
-  monkeypatch.setattr(yax, 'sub', checked_sub)
-  monkeypatch.setattr(yax, 'lora', checked_lora)
+  yax.sub, yax.lora = checked_sub, checked_lora
+  yield
+  yax.sub, yax.lora = sub, lora
