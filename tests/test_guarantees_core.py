@@ -308,9 +308,10 @@ def test_an_error_during_evaluation_names_the_module_and_equation(mlp):
             and e.prim.name == 'dot_general'
             and any(m.path == ('fc1',) and e in m.children
                     for m in modules(mox, 'Dense'))]
-  broken = yax.sub([dot], lambda path, node: node.replace(
-      params={**node.params, 'dimension_numbers': (((0,), (0,)), ((), ()))}),
-                   mox)
+  broken = _swap(mox, dot, dot.replace(
+      params={**dot.params, 'dimension_numbers': (((0,), (0,)), ((), ()))}))
+  with pytest.raises(yax.InvariantError, match='dot_general'):
+    yax.check_mox(broken)
   with pytest.raises(yax.EvaluationError,
                      match=r"dot_general in module call Dense.__call__ at "
                            r"path 'fc1'") as info:

@@ -269,4 +269,9 @@ def type_errors(jaxpr) -> str | None:
     _check_jaxpr(open_part(jaxpr))
   except JaxprTypeError as e:
     return str(e)
+  except (TypeError, ValueError) as e:
+    # A primitive's shape rule rejecting its inputs (``dot_general`` with
+    # contracting dimensions of different sizes) raises these from inside
+    # the check: a type error of the equation as well.
+    return f'{type(e).__name__}: {e}'
   return None

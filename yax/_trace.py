@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -27,7 +28,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _lower, _markers
+from yax import _lower, _markers, _rules
 from yax._errors import TraceError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
 
@@ -67,7 +68,7 @@ class CallRecord:
   method: str
   params: dict
   path: tuple
-  var_tree: Any
+  var_tree: Any  # the module's own variables (see ``own_variables``)
   in_tree: Any
   arg_statics: dict  # leaf position -> static value
   num_arg_leaves: int
@@ -124,12 +125,7 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
     # has no variables and no scope path; it is recorded by nothing, and
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
-  variables = module.variables
-  var_leaves, var_tree = tree_flatten(dict(variables))
-  if not all(map(is_traced_value, var_leaves)):  # rare: drop non-array leaves
-    variables = jax.tree_util.tree_map(
-        lambda v: v if is_traced_value(v) else None, dict(variables))
-    var_leaves, var_tree = tree_flatten(variables)
+  var_leaves, var_tree = tree_flatten(own_variables(module))
   leaves, in_tree = tree_flatten((args, kwargs))
   dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
   call_id = next(_ids)
@@ -172,6 +168,26 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
 # markers. The user's cache entries stay where they are: nothing is cleared.
 _trace_context = jax.make_user_context(default_value=None)
 _trace_numbers = itertools.count(1)
+
+
+def own_variables(module: nn.Module) -> dict:
+  """The module's own variables: those not in the scope of a submodule.
+
+  ``module.variables`` holds, per collection, the module's variables and
+  one nested dict per submodule scope; the nested dicts are left out (the
+  tree builder gives each module call its submodules' variables from the
+  calls it contains). Only arrays and tracers count: Python values stored
+  in a collection are not traced. A variable whose value is itself a dict
+  is indistinguishable from a submodule scope and is left out as well.
+  """
+  own = {}
+  for col, values in module.variables.items():
+    mine = {k: v for k, v in values.items()
+            if not isinstance(v, Mapping) and all(
+                map(is_traced_value, jax.tree_util.tree_leaves(v)))}
+    if mine:
+      own[col] = mine
+  return own
 
 
 # ------------------------------------------------------------ make_mox
@@ -251,6 +267,10 @@ def build_root(closed, records, leaves, in_tree, dyn, out_info) -> Mox:
 
 # -------------------------------------------------------- tree builder
 
+def _symbols(tree) -> list:
+  return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Symbol))
+
+
 def contains_markers(jaxpr) -> bool:
   for eqn in _lower.open_part(jaxpr).eqns:
     if eqn.primitive in _markers.MARKERS:
@@ -267,6 +287,13 @@ class _Frame:
   var_inputs: list
   arg_inputs: list
   children: list
+  start: int = 0  # symbols bound from here on are defined inside the call
+
+
+# Variables a node reaches: (collection, *module path) -> that module's own
+# variables there ({name: symbol tree}), for the node and every module call
+# under it (through bodies, as the symbols the node's scope sees).
+Reach = dict
 
 
 class _Builder:
@@ -275,10 +302,13 @@ class _Builder:
   def __init__(self, records):
     self.records = records
     self.env: dict[Any, Symbol] = {}
+    self.order: dict[Symbol, int] = {}  # definition order of every symbol
+    self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
 
   def bind(self, v) -> Var:
     sym = Var(v.aval, dropped=isinstance(v, _lower.JaxDropVar))
     self.env[v] = sym
+    self.order[sym] = len(self.order)
     return sym
 
   def read(self, v) -> Symbol:
@@ -306,7 +336,7 @@ class _Builder:
           self.env[o] = s
         call_id = eqn.params['call_id']
         stack.append(_Frame(call_id, self.record(call_id), ins[:n],
-                            ins[n:], []))
+                            ins[n:], [], len(self.order)))
       elif eqn.primitive is _markers.exit_p:
         outs = [self.read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs):
@@ -347,10 +377,47 @@ class _Builder:
     outs = iter(dyn_outs)
     out_syms = [Literal(rec.out_statics[i]) if i in rec.out_statics
                 else next(outs) for i in range(rec.num_out_leaves)]
-    return Mox(frame.var_inputs + arg_syms, out_syms, dict(rec.params),
-               children=frame.children, module_ty=rec.module_ty,
-               entrypoint=rec.method, path=rec.path, in_tree=rec.in_tree,
-               out_tree=rec.out_tree, var_tree=rec.var_tree)
+    var_inputs, var_tree, reach = self._variables(frame)
+    mox = Mox(var_inputs + arg_syms, out_syms, dict(rec.params),
+              children=frame.children, module_ty=rec.module_ty,
+              entrypoint=rec.method, path=rec.path, in_tree=rec.in_tree,
+              out_tree=rec.out_tree, var_tree=var_tree)
+    self.reach[mox] = reach
+    return mox
+
+  def _variables(self, frame: _Frame):
+    """The call's variables: its own, and those of the calls inside it that
+    live in its scope and are defined before it starts (a kernel computed
+    inside the call, as for a tied head, is not a variable of the call)."""
+    rec = frame.record
+    own = tree_unflatten(rec.var_tree, frame.var_inputs)
+    reach = self._reach_children(frame.children)
+    for col, values in own.items():
+      reach[(col, *rec.path)] = values
+    n = len(rec.path)
+    tree: dict = {}
+    for (col, *path), values in sorted(reach.items(), key=lambda kv: len(kv[0])):
+      if tuple(path[:n]) != rec.path:
+        continue
+      kept = {k: v for k, v in values.items()
+              if all(self.order.get(s, -1) < frame.start
+                     for s in _symbols(v))}
+      if not kept:
+        continue
+      node = tree.setdefault(col, {})
+      for key in path[n:]:
+        node = node.setdefault(key, {})
+      node.update(kept)
+    leaves, var_tree = tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
+    return leaves, var_tree, reach
+
+  def _reach_children(self, children) -> Reach:
+    reach: Reach = {}
+    for child in children:
+      for key, values in self.reach.get(child, {}).items():
+        reach.setdefault(key, {}).update(
+            {k: v for k, v in values.items() if k not in reach.get(key, {})})
+    return reach
 
   def equation(self, eqn) -> Equation:
     inputs = [self.read(v) for v in eqn.invars]
@@ -369,9 +436,28 @@ class _Builder:
         forms.append(form)
         params.pop(name, None)
     outputs = [self.bind(v) for v in eqn.outvars]
-    return Equation(eqn.primitive, inputs, outputs, params, children=bodies,
-                    body_keys=keys, body_forms=forms, effects=eqn.effects,
-                    source_info=eqn.source_info, ctx=eqn.ctx)
+    built = Equation(eqn.primitive, inputs, outputs, params, children=bodies,
+                     body_keys=keys, body_forms=forms, effects=eqn.effects,
+                     source_info=eqn.source_info, ctx=eqn.ctx)
+    if bodies:
+      self.reach[built] = self._reach_through(built)
+    return built
+
+  def _reach_through(self, eqn: Equation) -> Reach:
+    """Variables of module calls in the bodies, as the symbols outside: a
+    body input stands for the equation input it receives; variables
+    computed inside a body are not variables of anything outside it."""
+    reach: Reach = {}
+    for index, body in enumerate(eqn.children):
+      outer = dict(zip(body.inputs, _rules.body_input_sources(eqn, index)))
+      for key, values in self._reach_children(body.children).items():
+        for k, v in values.items():
+          syms = _symbols(v)
+          if k in reach.get(key, {}) or not all(s in outer for s in syms):
+            continue
+          reach.setdefault(key, {})[k] = jax.tree_util.tree_map(
+              lambda s: outer[s], v, is_leaf=lambda x: isinstance(x, Symbol))
+    return reach
 
   def subtree(self, jaxpr_like) -> Mox:
     """An ephemeral node for a Jaxpr held in an equation's parameters."""
