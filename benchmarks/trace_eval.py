@@ -18,6 +18,7 @@ Usage::
 
     python benchmarks/trace_eval.py            # full size (minutes)
     python benchmarks/trace_eval.py --small    # tiny configs (seconds)
+    python benchmarks/trace_eval.py --trace-only   # tracing rows only
 """
 
 from __future__ import annotations
@@ -182,6 +183,15 @@ def fmt_time(t: float) -> str:
   return f'{t * 1e3:.1f}ms' if t < 1 else f'{t:.2f}s'
 
 
+def print_trace_only(results):
+  print(f'jax {jax.__version__}; medians, YAX / JAX (make_jaxpr)')
+  for name, res in results.items():
+    (a, b), (na, nb) = res['trace'], res['noop']
+    print(f'  {name}: make_mox {a / b:.2f} ({fmt_time(a)} / {fmt_time(b)}), '
+          f'floor (no-op interceptor) {na / nb:.2f} '
+          f'({fmt_time(na)} / {fmt_time(nb)})')
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--small', action='store_true',
@@ -191,6 +201,8 @@ def main(argv=None):
   parser.add_argument('--clock', choices=('wall', 'cpu'), default='wall',
                       help='wall time (default) or CPU time of this process '
                       '(steadier on a loaded machine)')
+  parser.add_argument('--trace-only', action='store_true',
+                      help='measure tracing (and its floor) only')
   args = parser.parse_args(argv)
   global CLOCK
   CLOCK = time.process_time if args.clock == 'cpu' else time.perf_counter
@@ -204,6 +216,9 @@ def main(argv=None):
   for name, model, x in models:
     print(f'# tracing {name} ...', file=sys.stderr)
     results[name] = measure_trace(model, x, model.params, reps)
+  if args.trace_only:
+    print_trace_only(results)
+    return
   for name, model, x in models:
     print(f'# running {name} ...', file=sys.stderr)
     results[name].update(measure_run(model, x, model.params, reps))

@@ -179,6 +179,9 @@ def set_bodies(eqn: Equation, bodies: Sequence[Any]) -> dict:
     else:
       params[key] = body
   for name, seq in seqs.items():
+    if any(item is None for item in seq):
+      raise_internal(f'{eqn.prim.name}: no body for every element of '
+                     f'{name!r} ({len(seq)} elements)')
     params[name] = tuple(seq)
   return params
 
