@@ -396,3 +396,22 @@ def test_unbound_module_methods_are_not_recorded():
   mox = yax.make_mox(lambda x: helper.double(x) + 1.0)(jnp.ones(3))
   assert not modules(mox)
   assert_trees_close(yax.eval_mox(mox, jnp.ones(3)), jnp.full(3, 3.0))
+
+
+def test_python_values_in_a_collection_are_not_variables_of_the_call():
+  """A collection may hold a Python value (not traced): it is baked into
+  the trace, and only array variables are inputs of the module call."""
+
+  class Counted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      steps = self.variable('info', 'steps', lambda: 3)
+      return nn.Dense(2, name='fc')(x) * steps.value
+
+  model = Counted()
+  x = jnp.ones((1, 3))
+  variables = model.init(KEY, x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  (root,) = modules(mox, 'Counted')
+  assert [s.type_str for s in root.var_inputs] == ['f32[2]', 'f32[3,2]']
+  assert_trees_close(yax.eval_mox(mox, variables, x), model.apply(variables, x))

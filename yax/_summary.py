@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _flops
+from yax import _flops, _lower
 from yax._eval import dynamic, to_jaxpr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
 
@@ -47,7 +47,8 @@ def flops(expr: Expr) -> int:
   eqns = [expr] if isinstance(expr, Equation) else leaf_equations(expr)
   return sum(
       _flops.equation_flops(e.prim.name, [s.aval for s in e.inputs],
-                            [s.aval for s in e.outputs], e.params)
+                            [s.aval for s in e.outputs],
+                            _lower.equation_params(e))  # bodies included
       for e in eqns)
 
 
