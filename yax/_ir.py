@@ -16,7 +16,6 @@ Nodes are immutable by convention: rewrites build new nodes with
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
