@@ -399,14 +399,15 @@ def test_unbound_module_methods_are_not_recorded():
 
 
 def test_python_values_in_a_collection_are_not_variables_of_the_call():
-  """A collection may hold a Python value (not traced): it is baked into
-  the trace, and only array variables are inputs of the module call."""
+  """A collection may hold a Python value (a string, not traced): it is
+  baked into the trace, and only array variables are inputs of the call."""
 
   class Counted(nn.Module):
     @nn.compact
     def __call__(self, x):
-      steps = self.variable('info', 'steps', lambda: 3)
-      return nn.Dense(2, name='fc')(x) * steps.value
+      tag = self.variable('info', 'tag', lambda: 'double')
+      y = nn.Dense(2, name='fc')(x)
+      return y * 2.0 if tag.value == 'double' else y
 
   model = Counted()
   x = jnp.ones((1, 3))
