@@ -3,15 +3,19 @@
 How it works, in three steps, all on public APIs:
 
 1. ``jax.make_jaxpr`` traces the function while a
-   ``flax.linen.intercept_methods`` interceptor is active.
+   ``flax.linen.intercept_methods`` interceptor is active, under a fresh
+   value of a JAX user context, so that JAX's caches neither serve this
+   trace an entry made without markers nor keep one for later plain calls.
 2. The interceptor wraps every Flax method call in boundary markers
-   (see ``_markers``): ``yax_enter(*variables, *args)`` before the call and
-   ``yax_exit(*outputs)`` after it, and records what the call was (module
+   (see ``_markers``): ``yax_enter(*own_variables, *args)`` before the call
+   and ``yax_exit(*outputs)`` after it, and records what the call was (module
    class, fields, path, argument and output trees) under a fresh call id.
 3. A small interpreter walks the Jaxpr, opening a ``module_call`` node at each
    enter marker and closing it at the matching exit marker. Markers are
    dropped; marker outputs become aliases of marker inputs, so a module call
-   reads and writes the same symbols as the code around it.
+   reads and writes the same symbols as the code around it. A call's
+   variables are its own and those of the calls inside it (in its scope);
+   bodies of equations become ``Equation.children``.
 """
 
 from __future__ import annotations
