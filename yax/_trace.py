@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import threading
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -65,9 +64,13 @@ def _is_jax_output(x) -> bool:
 
 # ----------------------------------------------------------- call records
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: a marker parameter
 class CallRecord:
-  """What the interceptor saw about one module method call."""
+  """What the interceptor saw about one module method call.
+
+  The record itself is the ``call_id`` parameter of the call's markers, so a
+  Jaxpr that JAX serves from its cache (traced by an earlier ``make_mox``)
+  carries the descriptions of its module calls with it."""
   module_ty: type
   method: str
   params: dict
@@ -98,13 +101,9 @@ def module_fields(module: nn.Module) -> dict:
 
 
 class _Trace:
-  """One ``make_mox`` trace: its call records, by call id."""
-
-  def __init__(self):
-    self.records: dict[int, CallRecord] = {}
+  """One ``make_mox`` trace (its identity tells nested traces apart)."""
 
 
-_ids = itertools.count()
 _state = threading.local()
 
 
@@ -132,7 +131,6 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
   var_leaves, var_tree = tree_flatten(own_variables(module))
   leaves, in_tree = tree_flatten((args, kwargs))
   dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
-  call_id = next(_ids)
   record = CallRecord(
       module_ty=type(module), method=context.method_name,
       params=module_fields(module), path=tuple(module.path),
@@ -140,10 +138,8 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
       arg_statics={i: x for i, x in enumerate(leaves)
                    if not is_traced_value(x)},
       num_arg_leaves=len(leaves))
-  trace.records[call_id] = record
-
   marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=call_id,
+      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
       num_vars=len(var_leaves))
   leaves = list(leaves)
   for i, x in zip(dyn, marked):
@@ -159,19 +155,23 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
   record.out_statics = {i: x for i, x in enumerate(out_leaves)
                         if not is_traced_value(x)}
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
-                                call_id=call_id)
+                                call_id=record)
   for i, x in zip(out_dyn, marked):
     out_leaves[i] = x
   return tree_unflatten(out_tree, out_leaves)
 
 
-# Every trace runs under a fresh value of this JAX user context. JAX keys its
-# tracing, lowering and compilation caches on it (``jax.make_user_context``),
-# so a YAX trace never reuses a Jaxpr that ``jax.jit`` (or Flax's ``nn.jit``)
-# traced without markers, and no later plain call reuses one traced with
-# markers. The user's cache entries stay where they are: nothing is cleared.
+# Every trace runs with this JAX user context set. JAX keys its tracing,
+# lowering and compilation caches on it (``jax.make_user_context``), so a YAX
+# trace never reuses a Jaxpr that ``jax.jit`` (or Flax's ``nn.jit``) traced
+# without markers, and no plain call reuses one traced with markers. YAX
+# traces share their entries (a cached Jaxpr's markers carry their call
+# records), so jitted helpers such as the ``eval_shape`` of Flax's
+# initializers are traced once, not once per ``make_mox``. The user's cache
+# entries stay where they are: nothing is cleared.
 _trace_context = jax.make_user_context(default_value=None)
-_trace_numbers = itertools.count(1)
+_WITH_MARKERS = 'yax: module call markers'
+
 
 
 def own_variables(module: nn.Module) -> dict:
@@ -241,18 +241,18 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
 
     active.append(this)
     try:
-      with _trace_context(next(_trace_numbers)):
+      with _trace_context(_WITH_MARKERS):
         closed = jax.make_jaxpr(flat_fn, **jaxpr_kwargs)(
             *[leaves[i] for i in dyn])
     finally:
       active.pop()
-    return build_root(closed, this.records, leaves, in_tree, dyn, out_info)
+    return build_root(closed, leaves, in_tree, dyn, out_info)
 
   return trace
 
 
-def build_root(closed, records, leaves, in_tree, dyn, out_info) -> Mox:
-  builder = _Builder(records)
+def build_root(closed, leaves, in_tree, dyn, out_info) -> Mox:
+  builder = _Builder()
   jaxpr = closed.jaxpr
   constvars = [builder.bind(v) for v in jaxpr.constvars]
   invars = iter(builder.bind(v) for v in jaxpr.invars)
@@ -286,7 +286,7 @@ def contains_markers(jaxpr) -> bool:
 
 @dataclasses.dataclass
 class _Frame:
-  call_id: int
+  call_id: CallRecord | None
   record: CallRecord | None
   var_inputs: list
   arg_inputs: list
@@ -303,8 +303,7 @@ Reach = dict
 class _Builder:
   """Turns a Jaxpr with markers into a tree, one scope at a time."""
 
-  def __init__(self, records):
-    self.records = records
+  def __init__(self):
     self.env: dict[Any, Symbol] = {}
     self.order: dict[Symbol, int] = {}  # definition order of every symbol
     self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
@@ -320,17 +319,8 @@ class _Builder:
       return Literal(v.val, v.aval)
     return self.env[v]
 
-  def record(self, call_id: int) -> CallRecord:
-    record = self.records.get(call_id)
-    if record is None:
-      raise TraceError(
-          f'internal: the traced Jaxpr has a yax_enter marker for module call '
-          f'{call_id}, which this trace did not record (a Jaxpr traced by '
-          'another make_mox reached this one)')
-    return record
-
   def build_body(self, jaxpr) -> list:
-    root = _Frame(-1, None, [], [], [])
+    root = _Frame(None, None, [], [], [])
     stack = [root]
     for eqn in jaxpr.eqns:
       if eqn.primitive is _markers.enter_p:
@@ -338,17 +328,17 @@ class _Builder:
         n = eqn.params['num_vars']
         for o, s in zip(eqn.outvars, ins[n:]):
           self.env[o] = s
-        call_id = eqn.params['call_id']
-        stack.append(_Frame(call_id, self.record(call_id), ins[:n],
+        record = eqn.params['call_id']
+        stack.append(_Frame(record, record, ins[:n],
                             ins[n:], [], len(self.order)))
       elif eqn.primitive is _markers.exit_p:
         outs = [self.read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs):
           self.env[o] = s
-        call_id = eqn.params['call_id']
+        record = eqn.params['call_id']
         frame = stack.pop()
-        if frame.call_id != call_id:
-          raise self._unmatched(frame, call_id)
+        if frame.call_id is not record:
+          raise self._unmatched(frame, record)
         stack[-1].children.append(self._module_call(frame, outs))
       else:
         stack[-1].children.append(self.equation(eqn))
@@ -356,17 +346,14 @@ class _Builder:
       raise self._unmatched(stack[-1], None)
     return root.children
 
-  def _unmatched(self, frame: _Frame, exit_id) -> TraceError:
-    def name(call_id):
-      rec = self.records.get(call_id)
-      if rec is None:
-        return f'call {call_id}'
+  def _unmatched(self, frame: _Frame, exit_record) -> TraceError:
+    def name(rec):
       return (f"{rec.module_ty.__name__}.{rec.method} at path "
               f"'{'/'.join(rec.path) or '<root>'}'")
-    found = ('the end of the body' if exit_id is None
-             else f'the exit of {name(exit_id)}')
-    where = ('the top level' if frame.call_id < 0
-             else f'the module call {name(frame.call_id)}')
+    found = ('the end of the body' if exit_record is None
+             else f'the exit of {name(exit_record)}')
+    where = ('the top level' if frame.record is None
+             else f'the module call {name(frame.record)}')
     return TraceError(
         f'internal: module call markers are not nested: inside {where}, '
         f'found {found}. A JAX transformation inside the traced function '
