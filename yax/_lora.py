@@ -12,22 +12,47 @@ did until the adapters are trained. ``yax.lora`` builds this on top of
 body is the original call followed by the adapter equations, and whose
 variables are the original ones plus ``lora_a`` and ``lora_b`` (stored next
 to ``kernel`` in the params tree).
+
+What it refuses, each with a ``SubstitutionError`` that names the module
+path and shows an XPath predicate that leaves the module out:
+
+* a module that already carries an adapter (a ``LoRA`` call, a module inside
+  one, or one whose params already hold ``lora_a``/``lora_b``): adapting it
+  again would count the adapter twice;
+* a module whose kernel is not a parameter of the traced arguments at the
+  module's own path: a kernel computed in the model (a tied embedding
+  transposed and passed to a nested ``Module.apply``, as Hugging Face's
+  GPT-Neo, OPT, mBART ... heads do) or passed in under another path. An
+  adapter there would land where the module's kernel is not (for a nested
+  apply: at the root of the params tree, shared by every such head);
+* a kernel that is neither ``[in, out]`` (``nn.Dense`` and Dense-like
+  modules) nor an ``nn.DenseGeneral`` kernel ``[*in_axes, *features]`` that
+  contracts the trailing axes of its input (adapted with ``A: [prod(in_axes),
+  rank]`` and ``B: [rank, prod(features)]``).
+
+A module called twice with the same weights (one kernel, two call sites)
+gets one adapter pair, read by both calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util as jtu
 
+from yax._containers import get_in, set_in, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
-from yax._sub import _Substitution, _dyn, _insert, _key_name, _rel_keys
-from yax._sub import resolve_targets
+from yax._sub import (Selection, _dyn, _key_name, _rel_keys, collections_of,
+                      describe, select, substitute)
 from yax._trace import make_mox
 
 
@@ -55,6 +80,22 @@ class LoraResult:
   paths: list  # module paths that were adapted
 
 
+
+_ADAPTER_NAMES = ('lora_a', 'lora_b')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """``y[..., *out] = x[..., *in] @ kernel`` with the ``in`` axes trailing.
+
+  ``n_in`` trailing axes of the input are contracted (1 for Dense); the
+  kernel is ``[*in, *out]``, adapted as ``[prod(in), prod(out)]``.
+  """
+  n_in: int
+  d_in: int
+  d_out: int
+
+
 def _kernel(node: Mox) -> Symbol | None:
   for keys, sym in zip(_rel_keys(node), node.var_inputs):
     if keys == ('params', 'kernel'):
@@ -62,73 +103,122 @@ def _kernel(node: Mox) -> Symbol | None:
   return None
 
 
-def _adapter_body(x_aval, y_aval, a_shape, b_shape, dtype, scale):
-  """Traces ``y + scale * (x A) B`` once per distinct shape."""
-  return _traced_adapter(tuple(x_aval.shape), x_aval.dtype,
-                         tuple(y_aval.shape), y_aval.dtype, tuple(a_shape),
-                         tuple(b_shape), dtype, scale)
+def _path_str(node: Mox) -> str:
+  return '/'.join(node.path)
+
+
+def _layout(node: Mox) -> _Layout | str:
+  """The kernel layout of a module call, or why it is not supported."""
+  kernel = _kernel(node)
+  where = f"the module call {describe(node)[len('module_call '):]}"
+  if kernel is None or kernel.aval is None or kernel.aval.ndim < 2:
+    found = ', '.join('/'.join(k) + ':' + s.type_str
+                      for k, s in zip(_rel_keys(node), node.var_inputs))
+    return (f"lora expects Dense-like module calls (a 'params/kernel' variable "
+            f"of shape [..., in, out]), but {where} has variables "
+            f"[{found or 'none'}]")
+  xs, ys = _dyn(node.arg_inputs), _dyn(node.outputs)
+  shape = tuple(kernel.aval.shape)
+  supported = ('lora supports a kernel [in, out] (nn.Dense and Dense-like '
+               'modules) and an nn.DenseGeneral kernel [*in_axes, *features] '
+               'that contracts the trailing axes of its input, with '
+               'batch_dims=()')
+  if len(xs) != 1 or len(ys) != 1:
+    return (f'lora expects a module call with one array input and one array '
+            f'output; {where} (kernel {kernel.type_str}) takes '
+            f"({', '.join(s.type_str for s in xs)}) and returns "
+            f"({', '.join(s.type_str for s in ys)})")
+  x, y = xs[0].aval, ys[0].aval
+  if isinstance(node.module_ty, type) and issubclass(node.module_ty,
+                                                      nn.DenseGeneral):
+    axis = node.params.get('axis', -1)
+    features = node.params.get('features')
+    axis = (axis,) if isinstance(axis, int) else tuple(axis)
+    features = (features,) if isinstance(features, int) else tuple(features)
+    axes = tuple(a % x.ndim for a in axis)
+    n_in = len(axes)
+    if node.params.get('batch_dims', ()) not in ((), None):
+      return (f"lora cannot adapt {where}: its kernel is {kernel.type_str} "
+              f"with batch_dims={node.params['batch_dims']!r}; {supported}")
+    if axes != tuple(range(x.ndim - n_in, x.ndim)):
+      return (f'lora cannot adapt {where}: its kernel is {kernel.type_str} '
+              f'and it contracts axes {axis!r} of its input '
+              f'{xs[0].type_str}; {supported}')
+    if (shape != tuple(x.shape[-n_in:]) + features
+        or tuple(y.shape[y.ndim - len(features):]) != features):
+      return (f'lora cannot adapt {where}: its kernel is {kernel.type_str}, '
+              f'input {xs[0].type_str}, output {ys[0].type_str}, not '
+              f'[*in_axes, *features]; {supported}')
+    return _Layout(n_in, math.prod(shape[:n_in]), math.prod(features))
+  if len(shape) != 2:
+    return (f'lora cannot adapt {where}: its kernel is {kernel.type_str}; '
+            f'{supported}')
+  d_in, d_out = shape
+  if tuple(x.shape[-1:]) != (d_in,) or tuple(y.shape[-1:]) != (d_out,):
+    return (f'lora expects a module call with one input [..., {d_in}] and '
+            f'one output [..., {d_out}] (its kernel is {kernel.type_str}); '
+            f'{where} takes ({xs[0].type_str}) and returns '
+            f'({ys[0].type_str})')
+  return _Layout(1, d_in, d_out)
 
 
 # The traced adapter is only read (its symbols are re-wired per node), so one
 # trace serves every node of the same shapes: BERT-base's 73 Dense layers need
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
-def _traced_adapter(x_shape, x_dtype, y_shape, y_dtype, a_shape, b_shape,
-                    dtype, scale):
+def _traced_adapter(x_shape, x_dtype, y_shape, y_dtype, n_in, d_in, rank,
+                    d_out, dtype, scale):
   def adapter(y, x, a, b):
-    delta = (x.astype(dtype) @ a) @ b
+    h = x.astype(dtype)
+    if n_in != 1:  # DenseGeneral: flatten the contracted axes
+      h = h.reshape(*x_shape[:len(x_shape) - n_in], d_in)
+    delta = (h @ a) @ b
+    if delta.shape != y_shape:  # ... and unflatten the features
+      delta = delta.reshape(y_shape)
     return y + (scale * delta).astype(y.dtype)
   spec = jax.ShapeDtypeStruct
   return make_mox(adapter)(spec(y_shape, y_dtype), spec(x_shape, x_dtype),
-                           spec(a_shape, dtype), spec(b_shape, dtype))
+                           spec((d_in, rank), dtype), spec((rank, d_out), dtype))
 
 
-def _lora_template(node: Mox, rank: int, alpha: float) -> Mox:
+def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
   kernel = _kernel(node)
-  if kernel is None or kernel.aval is None or kernel.aval.ndim < 2:
-    found = ', '.join('/'.join(k) + ':' + s.type_str
-                      for k, s in zip(_rel_keys(node), node.var_inputs))
-    raise SubstitutionError(
-        f"lora expects Dense-like module calls (a 'params/kernel' variable of "
-        f"shape [..., in, out]), but the module call "
-        f"{node.type_name or 'ephemeral'} at path '{'/'.join(node.path)}' has "
-        f"variables [{found or 'none'}]")
-  xs = _dyn(node.arg_inputs)
-  ys = _dyn(node.outputs)
-  d_in, d_out = kernel.aval.shape[-2], kernel.aval.shape[-1]
-  if (len(xs) != 1 or len(ys) != 1 or xs[0].aval.shape[-1:] != (d_in,)
-      or ys[0].aval.shape[-1:] != (d_out,)):
-    raise SubstitutionError(
-        f"lora expects a module call with one input [..., {d_in}] and one "
-        f"output [..., {d_out}] (its kernel is {kernel.type_str}); the call at "
-        f"path '{'/'.join(node.path)}' takes "
-        f"({', '.join(s.type_str for s in xs)}) and returns "
-        f"({', '.join(s.type_str for s in ys)})")
-  if kernel.aval.ndim != 2:
-    raise SubstitutionError(
-        f"lora supports 2-D kernels [in, out]; the kernel at path "
-        f"'{'/'.join(node.path)}' is {kernel.type_str}")
-  x, y = xs[0], ys[0]
+  x, y = _dyn(node.arg_inputs)[0], _dyn(node.outputs)[0]
   dtype = kernel.aval.dtype
-  adapter = _adapter_body(x.aval, y.aval, (d_in, rank), (rank, d_out), dtype,
-                          alpha / rank)
-  a, b = Var(jax.core.ShapedArray((d_in, rank), dtype)), Var(
-      jax.core.ShapedArray((rank, d_out), dtype))
+  adapter = _traced_adapter(
+      tuple(x.aval.shape), x.aval.dtype, tuple(y.aval.shape), y.aval.dtype,
+      layout.n_in, layout.d_in, rank, layout.d_out, dtype, alpha / rank)
+  if adapter.constvars:
+    raise SubstitutionError(
+        f'internal: the traced LoRA adapter captured {len(adapter.constvars)} '
+        'constants; it must be a function of (y, x, a, b) only')
+  a = Var(jax.core.ShapedArray((layout.d_in, rank), dtype))
+  b = Var(jax.core.ShapedArray((rank, layout.d_out), dtype))
   # Wire the adapter's inputs (y, x, a, b) to the node's symbols.
   y_in, x_in, a_in, b_in = _dyn(adapter.inputs)
   wiring = {y_in: y, x_in: x, a_in: a, b_in: b}
+
+  def wired(sym):
+    if isinstance(sym, Literal):
+      return sym
+    if sym not in wiring:
+      raise SubstitutionError(
+          f'internal: the traced LoRA adapter reads {sym!r}, which is neither '
+          'one of its inputs nor computed by it')
+    return wiring[sym]
+
   children = [node]
   for eqn in adapter.children:
+    inputs = [wired(s) for s in eqn.inputs]
     new_out = [Var(s.aval) for s in eqn.outputs]
     wiring.update(zip(eqn.outputs, new_out))
-    children.append(eqn.replace(
-        inputs=[wiring.get(s, s) for s in eqn.inputs], outputs=new_out))
-  out = wiring.get(adapter.outputs[0], adapter.outputs[0])
+    children.append(eqn.replace(inputs=inputs, outputs=new_out))
+  out = wired(adapter.outputs[0])
   var_dict = (jtu.tree_unflatten(node.var_tree, node.var_inputs)
               if node.num_vars else {})
-  var_dict = _insert(var_dict, ('params', 'lora_a'), a)
-  var_dict = _insert(var_dict, ('params', 'lora_b'), b)
+  var_dict = set_in(var_dict, ('params', 'lora_a'), a)
+  var_dict = set_in(var_dict, ('params', 'lora_b'), b)
   var_inputs, var_tree = jtu.tree_flatten(
       var_dict, is_leaf=lambda s: isinstance(s, Symbol))
   outputs = [out if s is y else s for s in node.outputs]
@@ -140,16 +230,140 @@ def _lora_template(node: Mox, rank: int, alpha: float) -> Mox:
              var_tree=var_tree)
 
 
-def _params_position(sub: _Substitution, params) -> tuple:
-  """The root keypath prefix of the argument that holds ``params``."""
-  prefix = sub.prefix.get('params')
-  if prefix is None:
+# ------------------------------------------------- where a kernel comes from
+
+def _root_keypaths(root: Mox) -> dict:
+  """Root input symbol -> its key path in ``(args, kwargs)``."""
+  placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
+  return {root.inputs[i]: tuple(_key_name(k) for k in keypath)
+          for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]}
+
+
+def _outer_position(eqn: Equation, body: Mox, pos: int, node: Mox) -> int:
+  """Which input of ``eqn`` feeds input ``pos`` of its body ``body``."""
+  key = eqn.body_keys[[id(c) for c in eqn.children].index(id(body))]
+  if len(body.inputs) == len(eqn.inputs):
+    # Call-like primitives (jit, scan, checkpoint, custom_jvp/vjp calls,
+    # closed_call) pass their inputs to the body in order.
+    return pos
+  if eqn.prim.name == 'cond':  # the branch index comes first
+    return pos + 1
+  if eqn.prim.name == 'while' and key == 'body_jaxpr':
+    return pos + eqn.params['cond_nconsts']
+  raise SubstitutionError(
+      f"lora cannot tell which input of {describe(eqn)} feeds input {pos} of "
+      f"its body {key!r}, so it cannot check that the kernel of "
+      f"{describe(node)} is a parameter")
+
+
+def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
+  """(root key path of the kernel, None) or (None, why it has none)."""
+  sym = _kernel(node)
+  chain = list(ancestors)
+  i = len(chain) - 1
+  while i >= 1:
+    body, eqn = chain[i], chain[i - 1]
+    if not isinstance(eqn, Equation):
+      i -= 1
+      continue
+    positions = [j for j, s in enumerate(body.inputs) if s is sym]
+    if not positions:
+      return None, f'computed inside the body of {describe(eqn)}'
+    sym = eqn.inputs[_outer_position(eqn, body, positions[0], node)]
+    i -= 2
+  if sym in keypaths:
+    return keypaths[sym], None
+  if any(sym is c for c in chain[0].constvars):
+    return None, 'a constant captured by the trace'
+  return None, 'computed in the model'
+
+
+def _xpath_string(text: str) -> str:
+  return f"'{text}'" if '"' in text else f'"{text}"'
+
+
+def _excluding(node: Mox) -> str:
+  """An XPath condition true exactly for ``node``'s call site(s)."""
+  if node.path:
+    return f'@path={_xpath_string(_path_str(node))}'
+  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
+  if node.name:
+    parts.append(f'@name={_xpath_string(node.name)}')
+  parts.append('string(@path)=""')
+  return ' and '.join(parts)
+
+
+def _hint(problems, selection) -> str:
+  """The selection with a predicate that leaves the problem modules out."""
+  conditions = list(dict.fromkeys(
+      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(n)
+      for n, _, wrapped in problems))
+  if len(conditions) > 1:
+    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
+  predicate = f"[not({' or '.join(conditions)})]"
+  if isinstance(selection, str):
+    simple = '|' not in selection and not selection.rstrip().endswith(')')
+    fixed = (selection + predicate if simple
+             else f'({selection}){predicate}')
+    them = 'it' if len(problems) == 1 else 'them'
+    hint = f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  else:
+    hint = ('Leave them out of the node list, or select with an XPath such '
+            f'as:\n  //module_call[@type="Dense"]{predicate}')
+  return hint
+
+
+def _refuse(problems, chosen: Selection, selection):
+  """One error for every module lora cannot adapt, with a way around."""
+  lines = [f"  - {describe(n)}{f' (name {n.name!r})' if n.name else ''}: "
+           f'{why}' for n, why, _ in problems]
+  raise SubstitutionError(
+      f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
+      f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
+      '\n' + _hint(problems, selection))
+
+
+# ---------------------------------------------------------- argument checks
+
+def _check_rank(rank) -> int:
+  if (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)
+      or rank < 1):
     raise SubstitutionError(
-        "lora found no 'params' collection among the traced arguments; trace "
-        "a function that takes the parameters as an argument, e.g. "
-        "make_mox(model.apply)(variables, x) or make_mox(model)(x, params=p)")
+        f'lora: rank must be a positive int, found {type(rank).__name__} '
+        f'{rank!r}')
+  return int(rank)
+
+
+def _check_alpha(alpha) -> float:
+  if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+      or not math.isfinite(alpha)):
+    raise SubstitutionError(
+        f'lora: alpha must be a finite real number, found '
+        f'{type(alpha).__name__} {alpha!r}')
+  return float(alpha)
+
+
+def _check_key(key):
+  if key is None:
+    return jax.random.key(0)
+  dtype = getattr(key, 'dtype', None)
+  shape = tuple(getattr(key, 'shape', (None,)))
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape == ():
+      return key
+  elif dtype == jnp.uint32 and shape == (2,):  # a raw jax.random.PRNGKey
+    return key
+  raise SubstitutionError(
+      'lora: key must be one PRNG key, e.g. jax.random.key(0) (or a raw '
+      f'jax.random.PRNGKey(0)); found {type(key).__name__} '
+      f'{getattr(key, "dtype", "")}{list(shape) if dtype is not None else ""} '
+      f'{key!r}'[:300])
+
+
+def _params_argument(mox: Mox, prefix: tuple, params):
+  """Checks ``params`` against the traced argument at ``prefix``."""
   # prefix = (0|1, position or kwarg name, *keys inside that argument)
-  root_args = jtu.tree_unflatten(sub.root.in_tree, sub.root.inputs)
+  root_args = jtu.tree_unflatten(mox.in_tree, mox.inputs)
   arg = root_args[prefix[0]][prefix[1]]
   if jtu.tree_structure(arg) != jtu.tree_structure(params):
     raise SubstitutionError(
@@ -157,7 +371,6 @@ def _params_position(sub: _Substitution, params) -> tuple:
         f'holds the parameters ({"args" if prefix[0] == 0 else "kwargs"}'
         f'[{prefix[1]!r}]).\n  expected: {jtu.tree_structure(arg)}\n'
         f'  given:    {jtu.tree_structure(params)}')
-  return prefix
 
 
 def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
@@ -168,14 +381,24 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
   - ``mox``: the traced tree (left unchanged).
   - ``params``: the traced argument that holds the parameters: the variables
     dict for ``model.apply`` (``{'params': ...}``) or the params tree of an
-    HF-style call (``model(x, params=...)``).
-  - ``selection``: XPath (or node list) of Dense-like module calls (a 2-D
-    ``kernel`` [in, out]).
-  - ``rank``, ``alpha``: adapter rank and scale (``alpha / rank``).
+    HF-style call (``model(x, params=...)``). Dicts, ``FrozenDict`` s and
+    other Mappings come back as the same types in ``.params``, ``.mask``
+    and from ``.merge``.
+  - ``selection``: XPath (or node list) of Dense-like module calls (a
+    ``kernel`` [in, out], or an ``nn.DenseGeneral`` kernel that contracts
+    the trailing input axes). It must match at least one module call, only
+    nodes of ``mox``, and no node together with one of its ancestors.
+  - ``rank``: a positive int; ``alpha``: a finite real. The adapter is
+    scaled by ``alpha / rank``.
   - ``key``: PRNG key for ``lora_a`` (``jax.random.key(0)`` if omitted).
 
   **Returns:** a :class:`LoraResult` with ``.mox``, ``.params``, ``.mask``,
-  ``.merge``.
+  ``.merge``, ``.paths``.
+
+  Raises ``yax.SubstitutionError`` (changing nothing) for a bad argument or
+  selection, and for modules it cannot adapt (already adapted, a computed
+  kernel, an unsupported kernel layout): the message names each such module
+  and shows the selection with a predicate that leaves them out.
 
   Example::
 
@@ -184,62 +407,128 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
   """
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'lora expects a Mox, found {type(mox).__name__}')
-  if not isinstance(rank, int) or rank < 1:
-    raise SubstitutionError(f'lora: rank must be a positive int, found {rank!r}')
-  targets = [n for n in resolve_targets(selection, mox)]
-  for node in targets:
+  rank, alpha, key = _check_rank(rank), _check_alpha(alpha), _check_key(key)
+  chosen = select(selection, mox)
+  for node in chosen.targets:
     if not isinstance(node, Mox) or node.is_ephemeral:
       raise SubstitutionError(
-          f'lora selects module calls, but {selection!r} matched {node!r}')
-  if not targets:
-    raise SubstitutionError(f'lora: {selection!r} matched no module call')
-  templates = {}
+          f'lora selects module calls, but {chosen.description} matched '
+          f'{describe(node)}')
+  prefix = collections_of(mox).get('params')
+  if prefix is None:
+    raise SubstitutionError(
+        "lora found no 'params' collection among the traced arguments; trace "
+        "a function that takes the parameters as an argument, e.g. "
+        "make_mox(model.apply)(variables, x) or make_mox(model)(x, params=p)")
+  _params_argument(mox, prefix, params)
+  keypaths = _root_keypaths(mox)
+  adapter_places = {kp for kp in keypaths.values()
+                    if kp and kp[-1] in _ADAPTER_NAMES}
+  problems, layouts = [], {}
+  for node in chosen.targets:
+    ancestors = chosen.ancestors[id(node)]
+    wrapper = next((a for a in ancestors if isinstance(a, Mox)
+                    and a.module_ty is LoRA), None)
+    own = {k[-1] for k in _rel_keys(node) if k[0] == 'params'}
+    if node.module_ty is LoRA:
+      problems.append((node, 'it is a LoRA adapter already', False))
+      continue
+    if wrapper is not None:
+      problems.append((node, 'it already carries an adapter (it is wrapped '
+                       f'by the LoRA call at path {_path_str(wrapper)!r})',
+                       wrapper in ancestors[-1:]))
+      continue
+    if own & set(_ADAPTER_NAMES):
+      problems.append((node, 'it already carries an adapter (its params hold '
+                       f'{sorted(own & set(_ADAPTER_NAMES))})', False))
+      continue
+    layout = _layout(node)
+    if isinstance(layout, str):  # a wrong selection: reported at once
+      raise SubstitutionError(
+          f'{layout}\n' + _hint([(node, layout, False)], selection))
+    kernel = _kernel(node)
+    keypath, why = _kernel_source(node, ancestors, keypaths)
+    place = (*prefix, *node.path, 'kernel')
+    if keypath != place:
+      found = (f'the traced argument {_arg_str(keypath)}' if why is None
+               else why)
+      problems.append((
+          node, f'its kernel {kernel.type_str} is {found}, not the parameter '
+          f'{_arg_str(place)} (a module applied through a nested '
+          'Module.apply, e.g. a head tied to the embedding), so an adapter '
+          'would not sit next to its kernel in the params tree', False))
+      continue
+    if any(p[:-1] == keypath[:-1] for p in adapter_places):
+      problems.append((node, 'it already carries an adapter (the traced '
+                       f'arguments hold {_arg_str(keypath[:-1])}'
+                       "['lora_a'/'lora_b'])", False))
+      continue
+    layouts[id(node)] = layout
+  if problems:
+    _refuse(problems, chosen, selection)
 
   def make(path, node):
-    if id(node) not in templates:
-      templates[id(node)] = _lora_template(node, rank, alpha)
-    return templates[id(node)]
+    return _lora_template(node, layouts[id(node)], rank, alpha)
 
-  sub = _Substitution(mox, targets, make)
-  prefix = _params_position(sub, params)
-  new_mox = sub.run()
+  done = substitute(chosen, make, mox)
+  if done.collections.get('params') != prefix:
+    raise SubstitutionError(
+        f"internal: the params collection moved from {_arg_str(prefix)} to "
+        f"{_arg_str(done.collections.get('params'))} during the rewrite")
 
-  key = jax.random.key(0) if key is None else key
+  inside = tuple(prefix[2:])  # keys of the collection inside `params`
+  adapted = {tuple(node.path): layouts[id(node)] for node in chosen.targets}
   new_params, mask = params, jtu.tree_map(lambda _: False, params)
-  adapted = []  # (keys of the module inside params, a shape, b shape)
-  for loc, var in sorted(sub.added.items()):
-    keys = (*prefix[2:], *loc[1:])
+  for loc, var in sorted(done.added.items()):
+    if (loc[0] != 'params' or loc[-1] not in _ADAPTER_NAMES
+        or tuple(loc[1:-1]) not in adapted):
+      raise SubstitutionError(
+          f"internal: lora added a variable at {'/'.join(loc)}, which is not "
+          'the adapter of a selected module')
     if loc[-1] == 'lora_a':
       key, sub_key = jax.random.split(key)
-      fan_in = var.aval.shape[0]
+      fan_in = var.aval.shape[-2]
       value = (jax.random.normal(sub_key, var.aval.shape, var.aval.dtype)
                / jnp.sqrt(jnp.asarray(fan_in, var.aval.dtype)))
-      adapted.append(tuple(loc[1:-1]))
     else:
       value = jnp.zeros(var.aval.shape, var.aval.dtype)
-    new_params = _insert(new_params, keys, value)
-    mask = _insert(mask, keys, True)
+    new_params = set_in(new_params, (*inside, *loc[1:]), value)
+    mask = set_in(mask, (*inside, *loc[1:]), True)
   scale = alpha / rank
-  collection_keys = tuple(prefix[2:])
+  paths = sorted(adapted)
 
   def merge(trained):
-    """Folds ``kernel + (alpha/rank) * lora_a @ lora_b`` for every adapter and
-    returns params for the original tree (adapters removed)."""
+    """Folds ``kernel + (alpha/rank) * lora_a @ lora_b`` (reshaped to the
+    kernel for DenseGeneral) for every adapter and returns params for the
+    original tree (adapters removed), in ``trained``'s container types."""
     out = trained
-    for module_path in adapted:
-      keys = (*collection_keys, *module_path)
-      module = _get(out, keys)
-      a, b = module['lora_a'], module['lora_b']
-      merged = {k: v for k, v in module.items() if k not in ('lora_a', 'lora_b')}
-      merged['kernel'] = (module['kernel'] + scale * (a @ b)).astype(
-          module['kernel'].dtype)
-      out = _insert(out, keys, merged)
+    for module_path in paths:
+      keys = (*inside, *module_path)
+      module = get_in(out, keys)
+      kernel = get_in(out, (*keys, 'kernel'))
+      a = get_in(out, (*keys, 'lora_a'))
+      b = get_in(out, (*keys, 'lora_b'))
+      delta = jnp.matmul(a, b)
+      if tuple(delta.shape) != tuple(kernel.shape):
+        if np.size(delta) != np.size(kernel):
+          raise SubstitutionError(
+              f"merge: at params{''.join(f'[{k!r}]' for k in keys)} "
+              f'lora_a {tuple(a.shape)} @ lora_b {tuple(b.shape)} does not '
+              f'fit the kernel {tuple(kernel.shape)}')
+        delta = delta.reshape(kernel.shape)
+      merged = (kernel + scale * delta).astype(kernel.dtype)
+      out = set_in(out, keys, set_in(without(module, _ADAPTER_NAMES),
+                                     ('kernel',), merged))
     return out
 
-  return LoraResult(new_mox, new_params, mask, merge, adapted)
+  return LoraResult(done.mox, new_params, mask, merge, paths)
 
 
-def _get(tree, keys):
-  for k in keys:
-    tree = tree[k]
-  return tree
+def _arg_str(keypath) -> str:
+  if not keypath:
+    return 'arguments'
+  head = 'args' if keypath[0] == 0 else 'kwargs'
+  rest = keypath[1:]
+  if keypath[0] == 1 and rest:
+    return f'{rest[0]}=' + ''.join(f'[{k!r}]' for k in rest[1:])
+  return head + ''.join(f'[{k!r}]' for k in rest)

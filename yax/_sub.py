@@ -28,6 +28,7 @@ import jax
 from jax import tree_util as jtu
 
 from yax import _lower, _rules
+from yax._containers import set_in
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var
 
@@ -48,10 +49,17 @@ def _where(node: Expr, path: tuple = ()) -> str:
 
 
 def _key_name(key) -> Any:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return str(key)
+  """The dict key, attribute name or index of one step of a key path."""
+  if isinstance(key, (jtu.DictKey, jtu.FlattenedIndexKey)):
+    return key.key
+  if isinstance(key, jtu.GetAttrKey):
+    return key.name
+  if isinstance(key, jtu.SequenceKey):
+    return key.idx
+  raise SubstitutionError(
+      f'internal: a key path step of unknown kind {type(key).__name__} '
+      f'({key!r}); expected DictKey, GetAttrKey, SequenceKey or '
+      'FlattenedIndexKey')
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
@@ -74,31 +82,8 @@ def _rel_keys(mox: Mox) -> list[tuple]:
 
 
 def _insert(tree, keys: Sequence, value):
-  """A copy of ``tree`` with ``value`` set at ``keys`` (dicts created)."""
-  if not keys:
-    return value
-  key, rest = keys[0], keys[1:]
-  if isinstance(tree, tuple) and not hasattr(tree, '_fields'):
-    items = list(tree)
-    if key == len(items):
-      items.append(None)
-    items[key] = _insert(items[key], rest, value)
-    return tuple(items)
-  if isinstance(tree, list):
-    items = list(tree)
-    if key == len(items):
-      items.append(None)
-    items[key] = _insert(items[key], rest, value)
-    return items
-  if tree is None:
-    tree = {}
-  if hasattr(tree, 'keys') and hasattr(tree, '__getitem__'):
-    new = dict(tree.items())
-    new[key] = _insert(new.get(key), rest, value)
-    return new
-  raise SubstitutionError(
-      f'cannot add a variable under a {type(tree).__name__} node of the '
-      f'argument tree (expected a dict, tuple or list)')
+  """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
+  return set_in(tree, keys, value)
 
 
 def _same_type(a: Symbol, b: Symbol) -> bool:
@@ -128,6 +113,8 @@ class _Substitution:
   def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement):
     self.root = root
     self.targets = {id(t): t for t in targets}
+    self.visits = {id(t): 0 for t in targets}  # exactly once, checked after
+    self.replaced: list[tuple[Expr, tuple]] = []  # (target, what replaced it)
     self.repl = repl
     self.ren: dict[Symbol, Symbol] = {}
     self.stack: list[_Frame] = []
@@ -173,6 +160,8 @@ class _Substitution:
 
   def run(self) -> Mox:
     if id(self.root) in self.targets:
+      self.visits[id(self.root)] += 1
+      self.replaced.append((self.root, (self.root,)))
       keeps = (callable(self.repl) and not isinstance(self.repl, Expr)
                and self.repl(self.root.path, self.root) is self.root)
       if not keeps:
@@ -184,14 +173,28 @@ class _Substitution:
     self.stack.pop()
     return self.finish_root(children, frame)
 
+  def check_visits(self, chosen: 'Selection') -> None:
+    """Every target was reached exactly once (Equinox ``tree_at`` style)."""
+    for target in chosen.targets:
+      n = self.visits[id(target)]
+      if n != 1:
+        raise SubstitutionError(
+            f'internal: the rewrite reached {describe(target)} (selected by '
+            f'{chosen.description}) {n} times instead of once; the tree '
+            'holds that node object in more than one place')
+
   def rename(self, sym: Symbol) -> Symbol:
+    # A symbol that no replacement redefined keeps its identity.
     return self.ren.get(sym, sym)
 
   def rebuild_children(self, children) -> list:
     out = []
     for child in children:
       if id(child) in self.targets:
-        out.extend(self.replace(child))
+        self.visits[id(child)] += 1
+        new = self.replace(child)
+        self.replaced.append((child, tuple(new)))
+        out.extend(new)
       elif isinstance(child, Mox):
         out.append(self.rebuild_module(child))
       else:
@@ -538,24 +541,173 @@ class _Copier:
         constvars=[self.map[s] for s in body.constvars])
 
 
-def resolve_targets(selection, mox: Mox) -> list[Expr]:
-  """XPath string or node list -> the list of nodes to substitute."""
+def describe(item) -> str:
+  """How errors name one selected item: a node, a symbol or a value."""
+  if isinstance(item, Mox):
+    kind = item.type_name or 'ephemeral module_call'
+    return f"module_call {kind} at path '{'/'.join(item.path) or '<root>'}'"
+  if isinstance(item, Equation):
+    name = f' ({item.name})' if item.name and item.name != item.prim.name else ''
+    return f"equation '{item.prim.name}'{name}"
+  if isinstance(item, Symbol):
+    return f'a {type(item).__name__} of type {item.type_str} (a symbol)'
+  text = repr(item)
+  if len(text) > 80:
+    text = text[:77] + '...'
+  return f'a {type(item).__name__} ({text})'
+
+
+def _describe_selection(selection) -> str:
+  if isinstance(selection, str):
+    return repr(selection)
+  if isinstance(selection, Expr):
+    return describe(selection)
+  return f'the node list [{", ".join(describe(x) for x in selection[:3])}' + (
+      f', ... {len(selection)} items]' if len(selection) > 3 else ']')
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The nodes a rewrite replaces, checked to be exact.
+
+  Attributes:
+    targets: the selected nodes, in the order selected.
+    ancestors: ``id(target)`` -> the nodes from the root down to the
+      target's parent (equations and the bodies they hold included).
+    description: how error messages name the selection.
+  """
+  root: Mox
+  targets: tuple
+  ancestors: dict
+  description: str
+
+
+def select(selection, mox: Mox) -> Selection:
+  """XPath string, node or node list -> an exact :class:`Selection`.
+
+  Raises ``SubstitutionError`` naming the selection and the offending item
+  when it matches nothing, matches something that is not a node of ``mox``
+  (a number, a string, a symbol, a node of another tree or of an older
+  version of this one), selects a node twice, selects the body of an
+  equation, or selects a node together with one of its ancestors.
+  """
   if isinstance(selection, str):
     from yax._query import query
     found = query(selection, mox)
+    if not isinstance(found, list):  # count(...), name(...), a boolean
+      found = [found]
   elif isinstance(selection, Expr):
     found = [selection]
-  else:
+  elif isinstance(selection, (list, tuple)):
     found = list(selection)
-  nodes = []
+  else:
+    raise SubstitutionError(
+        'a selection is an XPath string, a node or a list of nodes of the '
+        f'tree; found {describe(selection)}')
+  what = _describe_selection(selection if not isinstance(selection, tuple)
+                             else list(selection))
+  if not found:
+    raise SubstitutionError(
+        f'the selection {what} matched no module call or equation of the '
+        'tree, so nothing would be replaced')
   for item in found:
     if not isinstance(item, Expr):
       raise SubstitutionError(
-          f'sub selects module calls and equations, but the selection '
-          f'{selection!r} matched a {type(item).__name__} ({item!r}); end the '
-          'XPath at an element, e.g. //module_call[@type="Dense"]')
-    nodes.append(item)
-  return nodes
+          f'the selection {what} matched {describe(item)}; a selection must '
+          'match module calls or equations. End the XPath at an element, '
+          'e.g. //module_call[@type="Dense"]')
+  wanted = {}
+  for item in found:
+    if id(item) in wanted:
+      raise SubstitutionError(
+          f'the selection {what} holds {describe(item)} twice; select each '
+          'node once')
+    wanted[id(item)] = item
+  ancestors, bodies = {}, set()
+  stack = [(mox, ())]
+  while stack:  # one walk over every node, equation bodies included
+    node, above = stack.pop()
+    if id(node) in wanted:
+      ancestors[id(node)] = above
+    inner = (*above, node)
+    for child in getattr(node, 'children', ()):
+      if isinstance(node, Equation):
+        bodies.add(id(child))
+      stack.append((child, inner))
+  for item in found:
+    if id(item) not in ancestors:
+      raise SubstitutionError(
+          f'the selection {what} matched {describe(item)}, which is not a '
+          'node of this tree (a node of another tree, or of this tree before '
+          'a rewrite: rewrites return new nodes, so query the new tree)')
+    if id(item) in bodies:
+      raise SubstitutionError(
+          f'the selection {what} matched the body of an equation '
+          f'({describe(ancestors[id(item)][-1])}); select the equation itself '
+          'or nodes inside its body')
+    outer = next((a for a in ancestors[id(item)] if id(a) in wanted), None)
+    if outer is not None:
+      raise SubstitutionError(
+          f'the selection {what} matched {describe(item)} together with its '
+          f'ancestor {describe(outer)}; replacing the ancestor would drop the '
+          'inner node. Select only one of them, e.g. add '
+          '[not(ancestor::*[...])] to the XPath')
+  return Selection(mox, tuple(found), ancestors, what)
+
+
+def resolve_targets(selection, mox: Mox) -> list[Expr]:
+  """XPath string or node list -> the list of nodes to substitute."""
+  return list(select(selection, mox).targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+  """What a substitution did.
+
+  Attributes:
+    mox: the new tree.
+    replaced: ``(target, nodes that took its place)`` per target, in the
+      order the walk reached them (a kept node maps to its rebuilt self).
+    added: the variables the new tree reads that the old one did not, by
+      location ``(collection, *module path, *name)``, as the root's new
+      inputs (outside lifted-transform bodies: e.g. stacked over the scan
+      length for a variable created inside an ``nn.scan`` body).
+    collections: where each variable collection sits in the root arguments:
+      ``collection -> key path prefix`` (``(0, 0, 'params')`` for
+      ``model.apply(variables, x)``, ``(1, 'params')`` for HF style
+      ``model(x, params=p)``).
+  """
+  mox: Mox
+  replaced: tuple
+  added: dict
+  collections: dict
+
+
+def collections_of(mox: Mox) -> dict:
+  """Where each variable collection sits in the root arguments of ``mox``.
+
+  ``collection -> key path prefix`` in ``(args, kwargs)``, e.g.
+  ``{'params': (0, 0, 'params')}`` for ``make_mox(model.apply)(variables,
+  x)``; what :attr:`Rewrite.collections` reports, without rewriting.
+  """
+  return dict(_Substitution(mox, (), None).prefix)
+
+
+def substitute(selection, repl: Replacement, mox: Mox) -> Rewrite:
+  """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did."""
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
+                            f'{type(mox).__name__}')
+  if isinstance(selection, Selection) and selection.root is not mox:
+    raise SubstitutionError(
+        f'the selection {selection.description} was made on another tree')
+  chosen = selection if isinstance(selection, Selection) else select(
+      selection, mox)
+  run = _Substitution(mox, chosen.targets, repl)
+  new = run.run()
+  run.check_visits(chosen)
+  return Rewrite(new, tuple(run.replaced), dict(run.added),
+                 dict(run.prefix))
 
 
 def sub(selection, repl: Replacement, mox: Mox) -> Mox:
@@ -578,8 +730,4 @@ def sub(selection, repl: Replacement, mox: Mox) -> Mox:
       gelu = yax.make_mox(jax.nn.gelu)(jnp.zeros((1, 4)))
       new = yax.sub('//*[@name="relu"]', gelu, mox)
   """
-  if not isinstance(mox, Mox):
-    raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
-                            f'{type(mox).__name__}')
-  targets = resolve_targets(selection, mox)
-  return _Substitution(mox, targets, repl).run()
+  return substitute(selection, repl, mox).mox

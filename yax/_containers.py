@@ -1,0 +1,127 @@
+"""Params containers: edited copies that keep the container type at every level.
+
+Rewrites add variables to the argument tree a model was traced with (LoRA
+adapters next to a kernel, the ``scale`` of a replacement module) and
+``LoraResult.merge`` removes them again. The argument tree may be made of
+plain dicts, ``flax.core.FrozenDict`` s or any other ``Mapping`` registered as
+a pytree; whatever it is made of, the edited copy is made of the same types,
+level by level, so the rewritten tree's ``in_tree`` matches the params the
+user actually holds and ``eval_mox`` accepts them.
+
+A Mapping type is rebuilt from a plain dict of its items by the builder
+registered for it with :func:`register_mapping` (``dict``, ``OrderedDict``
+and ``FrozenDict`` are registered here; another module can register its own,
+e.g. ``nnx.State``). An unregistered Mapping type is rebuilt by calling
+``type(m)(items)`` and the result is checked; if that does not give back an
+equal Mapping of the same type, a ``SubstitutionError`` says which type needs
+a builder. New levels take the type of the level that holds them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Mapping, Sequence
+
+from flax.core import FrozenDict
+
+from yax._errors import SubstitutionError
+
+Builder = Callable[[Mapping, dict], Mapping]
+
+_BUILDERS: dict[type, Builder] = {
+    dict: lambda like, items: dict(items),
+    collections.OrderedDict: lambda like, items: collections.OrderedDict(items),
+    FrozenDict: lambda like, items: FrozenDict(items),
+}
+
+
+def register_mapping(cls: type, build: Builder) -> None:
+  """Registers how to rebuild a Mapping of type ``cls`` from a dict.
+
+  ``build(like, items)`` returns a container of the same type as ``like``
+  (whose metadata it may copy) holding exactly ``items``.
+  """
+  _BUILDERS[cls] = build
+
+
+def _keystr(keys: Sequence) -> str:
+  return ''.join(f'[{k!r}]' for k in keys)
+
+
+def rebuild(like: Mapping, items: dict) -> Mapping:
+  """A Mapping of ``like``'s type holding ``items``."""
+  build = _BUILDERS.get(type(like))
+  if build is not None:
+    return build(like, items)
+  try:
+    new = type(like)(items)
+  except Exception as e:  # noqa: BLE001 - reported below with the type
+    problem = f'calling {type(like).__qualname__}(dict) raised {e!r}'
+  else:
+    if type(new) is type(like) and dict(new.items()) == items:
+      return new
+    problem = (f'{type(like).__qualname__}(dict) did not give back a '
+               f'{type(like).__qualname__} with the same items')
+  raise SubstitutionError(
+      f'cannot add to or remove from a {type(like).__module__}.'
+      f'{type(like).__qualname__} in the params tree: {problem}. Register a '
+      'builder with yax._containers.register_mapping(cls, build) or pass '
+      'plain dicts')
+
+
+def is_mapping(tree) -> bool:
+  return isinstance(tree, Mapping)
+
+
+def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
+  """A copy of ``tree`` with ``value`` at ``keys``; missing levels created.
+
+  Mappings keep their type; a new level takes the type of its parent
+  (a plain dict under ``None``). Tuples and lists are indexed by position
+  (one past the end appends).
+  """
+  if not keys:
+    return value
+  key, rest = keys[0], keys[1:]
+  here = (*_done, key)
+  if isinstance(tree, (tuple, list)) and not hasattr(tree, '_fields'):
+    items = list(tree)
+    if not isinstance(key, int) or not 0 <= key <= len(items):
+      raise SubstitutionError(
+          f'cannot set {_keystr(here)} in the argument tree: '
+          f'{type(tree).__name__} of length {len(items)} has no position '
+          f'{key!r}')
+    if key == len(items):
+      items.append(None)
+    items[key] = set_in(items[key], rest, value, _done=here)
+    return type(tree)(items)
+  if tree is None:
+    tree = {}
+  if isinstance(tree, Mapping):
+    child = tree[key] if key in tree else (
+        rebuild(tree, {}) if rest else None)
+    items = dict(tree.items())
+    items[key] = set_in(child, rest, value, _done=here)
+    return rebuild(tree, items)
+  raise SubstitutionError(
+      f'cannot set {_keystr(here)} in the argument tree: '
+      f'{_keystr(_done) or "the argument"} is a {type(tree).__name__}, '
+      'expected a Mapping (dict, FrozenDict ...), tuple or list')
+
+
+def get_in(tree, keys: Sequence, *, what: str = 'params') -> Any:
+  """``tree[k0][k1]...``; a missing key raises ``SubstitutionError``."""
+  for i, key in enumerate(keys):
+    if not isinstance(tree, Mapping) or key not in tree:
+      found = (sorted(map(str, tree.keys())) if isinstance(tree, Mapping)
+               else type(tree).__name__)
+      raise SubstitutionError(
+          f"{what}{_keystr(keys[:i + 1])} is missing (found {found} at "
+          f"{what}{_keystr(keys[:i]) or ''})")
+    tree = tree[key]
+  return tree
+
+
+def without(tree: Mapping, names: Sequence) -> Mapping:
+  """A copy of the Mapping ``tree`` without the entries ``names``."""
+  return rebuild(tree, {k: v for k, v in tree.items() if k not in names})
