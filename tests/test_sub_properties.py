@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -125,6 +126,10 @@ def test_replacing_nodes_with_fresh_traces_changes_nothing(arch, seed, data):
   chosen = [n for n in chosen if not any(
       n is not m and any(n is d for d in iter_nodes(m)) for m in chosen)]
   before = str(mox)
+  if not chosen:  # selections are exact: matching nothing is an error
+    with pytest.raises(yax.SubstitutionError, match='matched no module call'):
+      yax.sub(chosen, fresh_trace, mox)
+    return
   new = yax.sub(chosen, fresh_trace, mox)
   assert str(mox) == before
   yax.check_mox(new)
@@ -151,8 +156,8 @@ def test_random_substitution_sequences_keep_invariants(arch, seed, data):
       # gelu and tanh are inlined primitives without a name.
       old = data.draw(st.sampled_from(['relu', 'silu']))
       new_fn = data.draw(st.sampled_from([jnp.sin, jnp.tanh, jax.nn.softplus]))
-      if old in swaps:
-        continue
+      if old in swaps or not yax.query(f'//*[@name="{old}"]', tree):
+        continue  # selections are exact: one that matches nothing raises
       swaps[old] = new_fn
       tree = yax.sub(f'//*[@name="{old}"]', lambda p, n, f=new_fn: yax.make_mox(
           f)(zeros_like_symbol(n.inputs[0])), tree)
@@ -164,7 +169,10 @@ def test_random_substitution_sequences_keep_invariants(arch, seed, data):
       params = jax.tree_util.tree_map(
           lambda p, m: p + 0.1 if m else p, params, res.mask)
     else:
-      tree = yax.sub('//module_call', lambda p, n: n, tree)
+      # every innermost module call (a node and its ancestor cannot both
+      # be selected)
+      tree = yax.sub('//module_call[not(.//module_call)]', lambda p, n: n,
+                     tree)
     yax.check_mox(tree)
   yax.check_mox(mox)
   assert mox.in_tree == jax.tree_util.tree_structure(((variables, x), {}))

@@ -9,20 +9,19 @@ level by level, so the rewritten tree's ``in_tree`` matches the params the
 user actually holds and ``eval_mox`` accepts them.
 
 A Mapping type is rebuilt from a plain dict of its items by the builder
-registered for it with :func:`register_mapping` (``dict``, ``OrderedDict``
-and ``FrozenDict`` are registered here; another module can register its own,
-e.g. ``nnx.State``). An unregistered Mapping type is rebuilt by calling
-``type(m)(items)`` and the result is checked; if that does not give back an
-equal Mapping of the same type, a ``SubstitutionError`` says which type needs
-a builder. New levels take the type of the level that holds them.
+registered for it with :func:`register_mapping` (``dict`` and
+``OrderedDict`` are registered here; another module can register its own,
+e.g. ``nnx.State``). Any other Mapping type (``flax.core.FrozenDict``, a
+user's own) is rebuilt by calling ``type(m)(items)``, and the result is
+checked: the same type, the same keys, the same leaves. If it is not, a
+``SubstitutionError`` says which type needs a builder. New levels take the
+type of the level that holds them.
 """
 
 from __future__ import annotations
 
 import collections
 from typing import Any, Callable, Mapping, Sequence
-
-from flax.core import FrozenDict
 
 from yax._errors import SubstitutionError
 
@@ -31,7 +30,6 @@ Builder = Callable[[Mapping, dict], Mapping]
 _BUILDERS: dict[type, Builder] = {
     dict: lambda like, items: dict(items),
     collections.OrderedDict: lambda like, items: collections.OrderedDict(items),
-    FrozenDict: lambda like, items: FrozenDict(items),
 }
 
 
@@ -58,7 +56,7 @@ def rebuild(like: Mapping, items: dict) -> Mapping:
   except Exception as e:  # noqa: BLE001 - reported below with the type
     problem = f'calling {type(like).__qualname__}(dict) raised {e!r}'
   else:
-    if type(new) is type(like) and dict(new.items()) == items:
+    if type(new) is type(like) and _same_items(new, items):
       return new
     problem = (f'{type(like).__qualname__}(dict) did not give back a '
                f'{type(like).__qualname__} with the same items')
@@ -69,8 +67,22 @@ def rebuild(like: Mapping, items: dict) -> Mapping:
       'plain dicts')
 
 
-def is_mapping(tree) -> bool:
-  return isinstance(tree, Mapping)
+def _same_items(new, items: dict) -> bool:
+  """Same keys; leaves identical, sub-Mappings (which a container such as
+  FrozenDict may re-wrap) with the same keys."""
+  try:
+    if set(new.keys()) != set(items):
+      return False
+    for key, value in items.items():
+      got = new[key]
+      if isinstance(value, Mapping):
+        if not isinstance(got, Mapping) or set(got) != set(value):
+          return False
+      elif got is not value:
+        return False
+  except Exception:  # noqa: BLE001 - a broken Mapping is reported as such
+    return False
+  return True
 
 
 def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):

@@ -562,7 +562,7 @@ def _describe_selection(selection) -> str:
     return repr(selection)
   if isinstance(selection, Expr):
     return describe(selection)
-  return f'the node list [{", ".join(describe(x) for x in selection[:3])}' + (
+  return f'[{", ".join(describe(x) for x in selection[:3])}' + (
       f', ... {len(selection)} items]' if len(selection) > 3 else ']')
 
 
