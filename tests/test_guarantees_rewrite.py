@@ -214,6 +214,11 @@ def test_callable_called_once_per_target_inside_bodies(stack):
   done = substitute(targets, record, mox)
   assert [t for t, _ in done.replaced] == [t for t in iter_nodes(mox)
                                             if any(t is u for u in targets)]
+  scan = yax.query('//scan', mox)[0]
+  with pytest.raises(yax.SubstitutionError,
+                     match=r"matched the body of an equation \(equation "
+                           r"'scan'"):
+    yax.sub([scan.children[0]], record, mox)
 
 
 def test_every_target_is_reached_exactly_once(mlp):
@@ -420,6 +425,22 @@ def test_lora_on_a_module_called_twice_shares_one_adapter_and_merges():
   merged = res.merge(trained)
   close(model.apply(merged, x), ref)
   close(yax.eval_mox(mox, merged, x), ref)
+
+
+def test_lora_on_a_bare_dense_keeps_the_adapter_next_to_its_kernel():
+  # The traced model is the Dense itself: its kernel sits at the root of the
+  # params collection, and so do its adapters (nothing is misplaced).
+  dense = nn.Dense(4)
+  x = jax.random.normal(jax.random.key(0), (2, 3))
+  variables = dense.init(jax.random.key(1), x)
+  mox = yax.make_mox(dense.apply)(variables, x)
+  res = lora_ok(yax.lora(mox, variables, rank=2, alpha=3.0))
+  assert res.paths == [()]
+  assert set(res.params['params']) == {'bias', 'kernel', 'lora_a', 'lora_b'}
+  trained = bump(res)
+  ref = HandLoRADense(4, 2, 3.0).apply(trained, x)
+  close(yax.eval_mox(res.mox, trained, x), ref)
+  close(dense.apply(res.merge(trained), x), ref)
 
 
 def test_lora_validates_rank_alpha_and_key(mlp):
