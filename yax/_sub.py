@@ -544,7 +544,7 @@ class _Copier:
 def describe(item) -> str:
   """How errors name one selected item: a node, a symbol or a value."""
   if isinstance(item, Mox):
-    kind = item.type_name or 'ephemeral module_call'
+    kind = item.type_name or '(ephemeral)'
     return f"module_call {kind} at path '{'/'.join(item.path) or '<root>'}'"
   if isinstance(item, Equation):
     name = f' ({item.name})' if item.name and item.name != item.prim.name else ''
