@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import FrozenDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import yax
 from yax._ir import iter_nodes
@@ -647,6 +649,29 @@ def test_dense_general_is_adapted_along_its_contracted_axes(features, axis,
   ref = Reference().apply(trained, x)
   close(yax.eval_mox(res.mox, trained, x), ref)
   close(model.apply(res.merge(trained), x), ref)
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+       in_axes=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+       features=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+       rank=st.integers(1, 3), seed=st.integers(0, 50))
+def test_dense_general_lora_matches_a_hand_written_adapter(
+    batch, in_axes, features, rank, seed):
+  features, n_in = tuple(features), len(in_axes)
+  axis = tuple(range(-n_in, 0))
+  dense = nn.DenseGeneral(features, axis=axis)
+  x = jax.random.normal(jax.random.key(seed), (*batch, *in_axes))
+  variables = dense.init(jax.random.key(seed + 1), x)
+  mox = yax.make_mox(dense.apply)(variables, x)
+  res = lora_ok(yax.lora(mox, variables, rank=rank, alpha=2.0,
+                         selection='//module_call[@type="DenseGeneral"]',
+                         key=jax.random.key(seed + 2)))
+  trained = bump(res, 0.1)
+  ref = HandLoRADenseGeneral(features, n_in, rank, 2.0).apply(trained, x)
+  close(yax.eval_mox(res.mox, trained, x), ref, tol=1e-4)
+  close(dense.apply(res.merge(trained), x), ref, tol=1e-4)
 
 
 def test_unsupported_kernels_are_refused_with_their_shape():
