@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
+from yax import _rules
 from yax._containers import get_in, set_in, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
@@ -239,23 +240,6 @@ def _root_keypaths(root: Mox) -> dict:
           for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]}
 
 
-def _outer_position(eqn: Equation, body: Mox, pos: int, node: Mox) -> int:
-  """Which input of ``eqn`` feeds input ``pos`` of its body ``body``."""
-  key = eqn.body_keys[[id(c) for c in eqn.children].index(id(body))]
-  if len(body.inputs) == len(eqn.inputs):
-    # Call-like primitives (jit, scan, checkpoint, custom_jvp/vjp calls,
-    # closed_call) pass their inputs to the body in order.
-    return pos
-  if eqn.prim.name == 'cond':  # the branch index comes first
-    return pos + 1
-  if eqn.prim.name == 'while' and key == 'body_jaxpr':
-    return pos + eqn.params['cond_nconsts']
-  raise SubstitutionError(
-      f"lora cannot tell which input of {describe(eqn)} feeds input {pos} of "
-      f"its body {key!r}, so it cannot check that the kernel of "
-      f"{describe(node)} is a parameter")
-
-
 def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
   """(root key path of the kernel, None) or (None, why it has none)."""
   sym = _kernel(node)
@@ -269,7 +253,8 @@ def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
     positions = [j for j, s in enumerate(body.inputs) if s is sym]
     if not positions:
       return None, f'computed inside the body of {describe(eqn)}'
-    sym = eqn.inputs[_outer_position(eqn, body, positions[0], node)]
+    index = [id(c) for c in eqn.children].index(id(body))
+    sym = _rules.body_input_sources(eqn, index)[positions[0]]
     i -= 2
   if sym in keypaths:
     return keypaths[sym], None
