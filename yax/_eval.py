@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import jax
 
-from yax import _lower, _rules
+from yax import _lower, _nnx, _rules
 from yax._errors import EvaluationError, SignatureError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol
 from yax._lower import dynamic, to_jaxpr  # noqa: F401 - re-exported
@@ -142,7 +142,7 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
 
   Raises ``SignatureError`` with expected vs given on any mismatch.
   """
-  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  leaves, tree = _nnx.flatten_arguments(args, kwargs)  # NNX nodes split
   if mox.in_tree is not None and tree != mox.in_tree:
     raise SignatureError(
         'eval_mox: the argument tree differs from the traced one.\n'
@@ -214,4 +214,5 @@ def eval_mox(mox: Mox, *args, **kwargs):
   outs = Interpreter().run(mox, mox.consts, leaves)
   if mox.out_tree is None:
     return outs
-  return jax.tree_util.tree_unflatten(mox.out_tree, outs)
+  result = jax.tree_util.tree_unflatten(mox.out_tree, outs)
+  return _nnx.apply_updates(result, args, kwargs)  # NNX state updates

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from lxml import etree
 
+from yax import _nnx
 from yax._errors import YaxError
 from yax._format import format_value
 from yax._ir import Equation, Expr, Literal, Mox, Symbol
@@ -222,6 +223,10 @@ def _node_markup(node: Expr) -> tuple[str, str, list[str]]:
       tag, attrs = 'module_call', _mox_attrs(node)
       var_paths = [f' var="{_escape(p)}"' if p else ''
                    for p in _var_paths(node)]
+      kinds = _nnx.var_kinds(node)  # NNX: Param, BatchStat, RngCount ...
+      if kinds:
+        var_paths = [f'{v} vartype="{_escape(k)}"' if k else v
+                     for v, k in zip(var_paths, kinds)]
     else:
       (tag, attrs), var_paths = _equation_attrs(node), []
     cached = (tag, _start_tag(tag, attrs), var_paths)

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _lower, _markers, _rules
+from yax import _lower, _markers, _nnx, _rules
 from yax._errors import TraceError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
 
@@ -220,7 +220,9 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
 
   @functools.wraps(fn)
   def trace(*args, **kwargs) -> Mox:
-    leaves, in_tree = tree_flatten((args, kwargs))
+    # NNX graph nodes among the arguments are split as nnx.split does.
+    nnx_scope = _nnx.TraceScope(args, kwargs)
+    leaves, in_tree = nnx_scope.leaves, nnx_scope.in_tree
     dyn = [i for i, x in enumerate(leaves) if is_dynamic_arg(x)]
     out_info = {}
 
@@ -232,8 +234,9 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
       for i, v in zip(dyn, dyn_vals):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
-      with nn.intercept_methods(functools.partial(_interceptor, this)):
-        out = fn(*a, **k)
+      with nn.intercept_methods(functools.partial(_interceptor, this)), \
+          nnx_scope:
+        out = nnx_scope.call(fn, a, k)
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
       out_info.update(tree=out_tree, leaves=out_leaves, dyn=out_dyn)
@@ -382,6 +385,8 @@ class _Builder:
     inside the call, as for a tied head, is not a variable of the call)."""
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
+    if isinstance(own, _nnx.VariableTree):  # NNX: its own variables only
+      return list(frame.var_inputs), rec.var_tree, {}
     reach = self._reach_children(frame.children)
     for col, values in own.items():
       reach[(col, *rec.path)] = values

@@ -1,0 +1,398 @@
+"""Flax NNX models: traced, replayed and rewritten like Linen ones.
+
+Every model here is built from ``flax.nnx``'s own layers. Each test compares
+against calling the model itself: outputs, and the model's NNX state after
+the call (RNG counts, batch statistics), eagerly, under ``jax.jit`` and
+under ``nnx.jit``; and checks that tracing leaves the model bit-identical.
+"""
+
+import io
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import yax
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------- helpers
+
+def _plain(x):
+  """Arrays as NumPy (key arrays by their data), for exact comparison."""
+  if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
+
+
+def snapshot(model):
+  """Everything about a model: its graph and its state's values."""
+  graphdef, state = nnx.split(model)
+  leaves = [(jax.tree_util.keystr(p), _plain(v)) for p, v in
+            jax.tree_util.tree_flatten_with_path(state)[0]]
+  return graphdef, leaves
+
+
+def assert_same_snapshot(a, b):
+  assert a[0] == b[0]
+  assert [k for k, _ in a[1]] == [k for k, _ in b[1]]
+  for (k, x), (_, y) in zip(a[1], b[1]):
+    assert x.dtype == y.dtype and x.shape == y.shape, k
+    np.testing.assert_array_equal(x, y, err_msg=k)
+
+
+def assert_close(a, b):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    np.testing.assert_allclose(_plain(x), _plain(y), **TOL)
+
+
+def assert_same_state(m1, m2):
+  """Same graph and state values (to float tolerance)."""
+  g1, s1 = snapshot(m1)
+  g2, s2 = snapshot(m2)
+  assert g1 == g2
+  assert [k for k, _ in s1] == [k for k, _ in s2]
+  for (k, x), (_, y) in zip(s1, s2):
+    np.testing.assert_allclose(x, y, err_msg=k, **TOL)
+
+
+def module_calls(mox, type_name=None):
+  pred = f'[@type="{type_name}"]' if type_name else '[@ephemeral="false"]'
+  return yax.query(f'//module_call{pred}', mox)
+
+
+def check_model(model, x, fn=lambda m, x: m(x), twice=True, pytree_jit=True):
+  """Trace ``fn(model, x)``; replay it eagerly, under jax.jit and nnx.jit;
+  compare outputs and model state with calling ``fn`` itself."""
+  before = snapshot(model)
+  mox = yax.make_mox(fn)(model, x)
+  assert_same_snapshot(before, snapshot(model))  # tracing changed nothing
+  yax.check_mox(mox)
+
+  # Eagerly: outputs equal, and the same state updates applied.
+  ref, ours = nnx.clone(model), nnx.clone(model)
+  assert_close(yax.eval_mox(mox, ours, x), fn(ref, x))
+  assert_same_state(ours, ref)
+  if twice:  # a second call continues from the updated state (RNG counts)
+    assert_close(yax.eval_mox(mox, ours, x), fn(ref, x))
+    assert_same_state(ours, ref)
+
+  # Under nnx.jit: updates propagate back to the model as for the call.
+  ref, ours = nnx.clone(model), nnx.clone(model)
+  got = nnx.jit(lambda m, x: yax.eval_mox(mox, m, x))(ours, x)
+  assert_close(got, nnx.jit(fn)(ref, x))
+  assert_same_state(ours, ref)
+
+  # Under jax.jit (modules are pytrees): outputs equal.
+  if not pytree_jit:
+    return mox
+  ref, ours = nnx.clone(model), nnx.clone(model)
+  got = jax.jit(lambda m, x: yax.eval_mox(mox, m, x))(ours, x)
+  assert_close(got, jax.jit(fn)(ref, x))
+  assert_same_snapshot(before, snapshot(model))
+  return mox
+
+
+# -------------------------------------------------------------- models
+
+class MLP(nnx.Module):
+  def __init__(self, din, dhidden, dout, *, rngs):
+    self.fc1 = nnx.Linear(din, dhidden, rngs=rngs)
+    self.fc2 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(nnx.relu(self.fc1(x)))
+
+
+class ConvNet(nnx.Module):
+  def __init__(self, *, rngs):
+    self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.norm(nnx.gelu(self.conv(x)))
+    return self.head(h.mean(axis=(1, 2)))
+
+
+class Noisy(nnx.Module):
+  """Dropout and BatchNorm in training mode: RNG counts and statistics."""
+
+  def __init__(self, *, rngs):
+    self.fc = nnx.Linear(4, 6, rngs=rngs)
+    self.bn = nnx.BatchNorm(6, momentum=0.9, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.bn(self.fc(x)))
+
+
+class Attention(nnx.Module):
+  def __init__(self, *, rngs):
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(x + self.attn(x, deterministic=True))
+
+
+class Shared(nnx.Module):
+  """One Linear reachable by two attribute paths and called twice."""
+
+  def __init__(self, *, rngs):
+    self.dense = nnx.Linear(4, 4, rngs=rngs)
+    self.alias = self.dense
+    self.out = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.alias(nnx.tanh(self.dense(x))))
+
+
+class Block(nnx.Module):
+  def __init__(self, dim, *, rngs):
+    self.linear = nnx.Linear(dim, dim, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(nnx.relu(self.linear(x)))
+
+
+class ScanStack(nnx.Module):
+  """Layers created with nnx.vmap, applied with nnx.scan."""
+
+  def __init__(self, dim, depth, *, rngs):
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return Block(dim, rngs=rngs)
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(dim, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return block(x)
+    return self.head(forward(x, self.blocks))
+
+
+class Lifted(nnx.Module):
+  """nnx.remat and nnx.jit inside a model."""
+
+  def __init__(self, *, rngs):
+    self.a = nnx.Linear(4, 4, rngs=rngs)
+    self.b = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.remat(lambda m, x: m(x))(self.a, x)
+    return nnx.jit(lambda m, x: nnx.relu(m(x)))(self.b, x)
+
+
+class Sower(nnx.Module):
+  def __init__(self, *, rngs):
+    self.fc1 = nnx.Linear(4, 5, rngs=rngs)
+    self.fc2 = nnx.Linear(5, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.fc1(x)
+    self.sow(nnx.Intermediate, 'hidden', h)
+    return self.fc2(h)
+
+
+def rngs(seed=0):
+  return nnx.Rngs(seed, dropout=seed + 1)
+
+
+X4 = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+
+
+# --------------------------------------------------------------- tests
+
+def test_mlp_tree_and_replay():
+  model = MLP(4, 8, 3, rngs=rngs())
+  mox = check_model(model, X4)
+  (fc1,) = module_calls(mox, 'Linear')[:1]
+  assert fc1.path == ('fc1',) and fc1.params['name'] == 'fc1'
+  assert fc1.params['in_features'] == 4 and fc1.params['out_features'] == 8
+  assert fc1.params['use_bias'] is True
+  # Variables first, keyed as nnx.state shows them, then the argument.
+  assert [s.aval.shape for s in fc1.inputs] == [(8,), (4, 8), (3, 4)]
+  root_call = module_calls(mox, 'MLP')[0]
+  assert root_call.path == () and root_call.num_vars == 0
+  xml = io.StringIO()
+  yax.dump_xml(mox, xml)
+  assert '<input type="f32[4,8]" var="kernel" vartype="Param">' in xml.getvalue()
+  assert yax.query('count(//module_call[@type="Linear"])', mox) == 2
+  assert yax.query('//module_call[@path="fc2"]/@out_features', mox) == ['3']
+
+
+def test_conv_layernorm():
+  model = ConvNet(rngs=rngs())
+  x = jnp.linspace(0, 1, 2 * 5 * 5 * 3).reshape(2, 5, 5, 3)
+  mox = check_model(model, x)
+  assert [m.type_name for m in module_calls(mox)] == [
+      'ConvNet', 'Conv', 'LayerNorm', 'Linear']
+  conv = module_calls(mox, 'Conv')[0]
+  assert conv.params['kernel_size'] == (3, 3)
+
+
+def test_dropout_and_batchnorm_state_updates():
+  model = Noisy(rngs=rngs())
+  mox = check_model(model, X4)
+  kinds = yax.query('//module_call[@type="Dropout"]/input/@vartype', mox)
+  assert kinds == ['RngCount', 'RngKey']
+  assert yax.query('//module_call[@type="BatchNorm"]/input/@vartype', mox) == [
+      'Param', 'BatchStat', 'Param', 'BatchStat']
+  # The RNG count and the two statistics are outputs of the root.
+  assert len(mox.outputs) == 1 + 3
+  # Calling the replay twice draws different dropout masks, as the model does.
+  m = nnx.clone(model)
+  y1, y2 = yax.eval_mox(mox, m, X4), yax.eval_mox(mox, m, X4)
+  assert not np.array_equal(y1, y2)
+
+
+def test_eval_mode_is_static():
+  model = Noisy(rngs=rngs())
+  model.eval()
+  mox = check_model(model, X4)
+  assert len(mox.outputs) == 1  # nothing changes in eval mode
+  model.train()
+  with pytest.raises(yax.SignatureError):
+    yax.eval_mox(mox, model, X4)
+
+
+def test_multi_head_attention():
+  model = Attention(rngs=rngs())
+  x = jnp.linspace(-1, 1, 2 * 5 * 8).reshape(2, 5, 8)
+  mox = check_model(model, x)
+  types = [m.type_name for m in module_calls(mox)]
+  assert types[:2] == ['Attention', 'MultiHeadAttention']
+  assert types.count('LinearGeneral') == 4
+  paths = [m.path for m in module_calls(mox, 'LinearGeneral')]
+  assert paths == [('attn', 'query'), ('attn', 'key'), ('attn', 'value'),
+                   ('attn', 'out')]
+
+
+def test_shared_module_one_path_same_symbols():
+  model = Shared(rngs=rngs())
+  mox = check_model(model, X4, pytree_jit=False)
+  # jax.jit flattens modules as pytrees, which duplicates the shared Linear:
+  # the graph differs from the traced one, and eval_mox says so.
+  with pytest.raises(yax.SignatureError):
+    jax.jit(lambda m, x: yax.eval_mox(mox, m, x))(model, X4)
+  dense = [m for m in module_calls(mox, 'Linear') if m.params['in_features'] == 4
+           and m.params['out_features'] == 4]
+  assert len(dense) == 2
+  # One path, the one nnx.split keeps (attributes in sorted order: 'alias').
+  state = nnx.state(model)
+  assert 'alias' in state and 'dense' not in state
+  assert dense[0].path == dense[1].path == ('alias',)
+  assert dense[0].var_inputs == dense[1].var_inputs
+  # Flattened as nnx.split does: the shared kernel is one root input.
+  assert len(mox.inputs) == len(jax.tree_util.tree_leaves(nnx.split(model)[1])) + 1
+  assert len(mox.inputs) < len(jax.tree_util.tree_leaves((model, X4)))
+
+
+def test_scan_over_layers():
+  model = ScanStack(4, 3, rngs=rngs())
+  mox = check_model(model, X4)
+  blocks = module_calls(mox, 'Block')
+  assert blocks and all(b.path == ('blocks',) for b in blocks)
+  inner = module_calls(mox, 'Linear')
+  assert ('blocks', 'linear') in [m.path for m in inner]
+  assert yax.query('//scan//module_call[@type="Dropout"]', mox)
+
+
+def test_vmap_remat_jit_inside():
+  model = Lifted(rngs=rngs())
+  mox = check_model(model, X4)
+  paths = [m.path for m in module_calls(mox, 'Linear')]
+  assert ('a',) in paths and ('b',) in paths
+  assert yax.query('//*[@primitive="checkpoint" or @primitive="remat2"]'
+                   '//module_call[@path="a"]', mox)
+  assert yax.query('//jit//module_call[@path="b"]', mox)
+
+
+def test_vmap_over_a_module():
+  model = MLP(4, 4, 2, rngs=rngs())
+  xs = jnp.stack([X4, 2 * X4])
+  fn = lambda m, xs: nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(m, xs)
+  mox = check_model(model, xs, fn)
+  assert [m.path for m in module_calls(mox, 'Linear')] == [('fc1',), ('fc2',)]
+
+
+def test_sow_with_capture():
+  model = Sower(rngs=rngs())
+  fn = nnx.capture(lambda m, x: m(x), nnx.Intermediate)
+  mox = check_model(model, X4, fn)
+  y, inter = yax.eval_mox(mox, nnx.clone(model), X4)
+  ref_y, ref_inter = fn(nnx.clone(model), X4)
+  assert_close((y, inter), (ref_y, ref_inter))
+
+
+def test_legacy_sow_becomes_a_state_update():
+  model = Sower(rngs=rngs())
+  # The first call adds a variable, so the model no longer has the traced
+  # structure afterwards (eval_mox then raises SignatureError): call once.
+  mox = check_model(model, X4, twice=False)
+  m = nnx.clone(model)
+  yax.eval_mox(mox, m, X4)
+  np.testing.assert_allclose(m.hidden.get_value()[0], model.fc1(X4), **TOL)
+
+
+def test_split_form():
+  model = Noisy(rngs=rngs())
+  graphdef, state = nnx.split(model)
+  fn = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(fn)(state, X4)
+  yax.check_mox(mox)
+  assert_close(yax.eval_mox(mox, state, X4), fn(state, X4))
+  assert_close(jax.jit(lambda s, x: yax.eval_mox(mox, s, x))(state, X4),
+               fn(state, X4))
+  assert [m.path for m in module_calls(mox)] == [(), ('fc',), ('bn',),
+                                                  ('drop',)]
+
+
+def test_two_module_arguments_paths_and_updates():
+  a, b = Noisy(rngs=rngs(0)), Noisy(rngs=rngs(1))
+  fn = lambda a, b, x: a(x) + b(x)
+  mox = yax.make_mox(fn)(a, b, X4)
+  assert {m.path for m in module_calls(mox, 'Linear')} == {('0', 'fc'),
+                                                         ('1', 'fc')}
+  ra, rb, oa, ob = nnx.clone(a), nnx.clone(b), nnx.clone(a), nnx.clone(b)
+  assert_close(yax.eval_mox(mox, oa, ob, X4), fn(ra, rb, X4))
+  assert_same_state(oa, ra)
+  assert_same_state(ob, rb)
+
+
+def test_tracing_restores_classes_and_other_threads_unaffected():
+  originals = {cls: dict(vars(cls)) for cls in (nnx.Linear, MLP)}
+  model = MLP(4, 8, 3, rngs=rngs())
+  seen = []
+
+  class Probe(nnx.Module):
+    def __call__(self, x):
+      # While the trace runs, another thread calls a model: eagerly, no
+      # markers, its own result.
+      out = {}
+      t = threading.Thread(target=lambda: out.setdefault('y', model(X4)))
+      t.start()
+      t.join()
+      seen.append(out['y'])
+      return model(x)
+
+  mox = yax.make_mox(lambda p, x: p(x))(Probe(), X4)
+  assert isinstance(seen[0], jax.Array) and not isinstance(seen[0],
+                                                           jax.core.Tracer)
+  np.testing.assert_allclose(seen[0], model(X4))
+  for cls, attrs in originals.items():
+    assert dict(vars(cls)) == attrs
+  assert 'yax_enter' not in str(jax.make_jaxpr(lambda x: model(x))(X4))
+  assert len(module_calls(mox, 'Linear')) == 2

@@ -1,0 +1,628 @@
+"""Flax NNX modules: seen while tracing, replayed by ``eval_mox``.
+
+NNX has no method interceptor like Linen's ``intercept_methods``. While a
+trace runs, the methods of every ``nnx.Module`` subclass are wrapped at class
+level (``__call__`` and the other methods each class defines itself); the
+wrappers record a module call only on the thread that is tracing, and the
+original methods are put back when the last trace ends (see
+``docs/design.md``, "NNX modules").
+
+Three pieces:
+
+* :class:`TraceScope` prepares the traced function's arguments: the NNX graph
+  nodes among them (modules, ``nnx.Rngs``) are split together, as
+  ``nnx.split`` does, so a shared module or variable is one input; the
+  function is called on copies merged from that state (the user's objects
+  are never touched), and variables the call changed or created (RNG counts,
+  batch statistics, ``sow``n values) become extra outputs.
+* The method wrappers bind the boundary markers of ``_markers`` around each
+  call and record a ``CallRecord``, so the tree builder of ``_trace`` makes
+  the ``module_call`` nodes: path from the object graph of the arguments,
+  params from the module's static attributes, variables (its own, keyed as
+  ``nnx.state`` shows them, typed ``Param``/``BatchStat``/``RngCount``...).
+* :func:`flatten_arguments` and :func:`apply_updates` let ``eval_mox`` take
+  the same arguments and apply the state updates to the given modules,
+  exactly as calling the model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util as jtu
+
+try:  # flax.nnx is part of every supported Flax; stay importable without it
+  from flax import nnx
+except ImportError:  # pragma: no cover - flax without nnx
+  nnx = None
+
+_GraphNode = (getattr(nnx, 'Pytree', None) or getattr(nnx, 'Object', None)) \
+    if nnx is not None else None
+
+
+def is_graph_node(x) -> bool:
+  """NNX modules and other graph objects (``nnx.Rngs``)."""
+  return _GraphNode is not None and isinstance(x, _GraphNode)
+
+
+def _is_variable(x) -> bool:
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
+# ------------------------------------------------------ typed variables
+
+class VariableTree(dict):
+  """The variables of an NNX module call, keyed as ``nnx.state`` shows them.
+
+  A dict (nested dicts under it) whose treedef also carries each leaf's
+  Variable type (``Param``, ``BatchStat``, ``RngCount``...), in leaf order, so
+  ``Mox.var_tree`` tells the XML view what kind each variable input is.
+  """
+
+  kinds: tuple = ()
+
+
+def _vt_flatten_with_keys(tree: VariableTree):
+  keys = sorted(tree)
+  return ([(jtu.DictKey(k), tree[k]) for k in keys],
+          (tuple(keys), tuple(tree.kinds)))
+
+
+def _vt_flatten(tree: VariableTree):
+  keys = sorted(tree)
+  return [tree[k] for k in keys], (tuple(keys), tuple(tree.kinds))
+
+
+def _vt_unflatten(aux, children):
+  keys, kinds = aux
+  tree = VariableTree(zip(keys, children))
+  tree.kinds = kinds
+  return tree
+
+
+jtu.register_pytree_with_keys(VariableTree, _vt_flatten_with_keys,
+                              _vt_unflatten, _vt_flatten)
+
+
+def var_kinds(mox) -> list[str] | None:
+  """Variable type names of a module call's variable inputs, if NNX."""
+  n = mox.num_vars
+  if not n:
+    return None
+  try:
+    tree = jtu.tree_unflatten(mox.var_tree, [None] * n)
+  except Exception:  # noqa: BLE001 - an unusual treedef: no kinds
+    return None
+  if isinstance(tree, VariableTree) and len(tree.kinds) == n:
+    return list(tree.kinds)
+  return None
+
+
+# ------------------------------------------------------------ patching
+
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patched: dict[type, dict[str, Any]] = {}  # class -> original attributes
+_local = threading.local()
+
+
+def _module_classes():
+  seen, stack = [], [nnx.Module]
+  while stack:
+    cls = stack.pop()
+    for sub in cls.__subclasses__():
+      if sub not in seen:
+        seen.append(sub)
+        stack.append(sub)
+  return seen
+
+
+def _wrapped_names(cls) -> list[str]:
+  """Methods a class defines itself that become module calls: ``__call__``
+  and other plain functions; private helpers only in user classes."""
+  from_flax = cls.__module__.startswith('flax.')
+  names = []
+  for name, value in vars(cls).items():
+    if not inspect.isfunction(value) or getattr(value, '_yax_original', None):
+      continue
+    if name == '__call__':
+      names.append(name)
+    elif name.startswith('__') or (from_flax and name.startswith('_')):
+      continue
+    elif name.startswith(('_pytree', '_graph', '_object', '_module')):
+      continue
+    else:
+      names.append(name)
+  return names
+
+
+def _wrap(fn, name: str):
+  @functools.wraps(fn)
+  def method(self, *args, **kwargs):
+    ctx = getattr(_local, 'ctx', None)
+    if ctx is None or not isinstance(self, nnx.Module):
+      return fn(self, *args, **kwargs)
+    return ctx.call(self, name, fn, args, kwargs)
+  method._yax_original = fn
+  return method
+
+
+def _patch_classes():
+  for cls in _module_classes():
+    if cls in _patched:
+      continue
+    originals = {}
+    for name in _wrapped_names(cls):
+      fn = vars(cls)[name]
+      originals[name] = fn
+      setattr(cls, name, _wrap(fn, name))
+    _patched[cls] = originals
+
+
+def _restore_classes():
+  for cls, originals in _patched.items():
+    for name, fn in originals.items():
+      setattr(cls, name, fn)
+  _patched.clear()
+
+
+@contextlib.contextmanager
+def _patched_classes():
+  """Wraps NNX module methods while the block runs (nested and threaded
+  traces share one patch; the last to leave restores the classes)."""
+  global _patch_users
+  with _patch_lock:
+    _patch_users += 1
+    try:
+      _patch_classes()
+    except BaseException:
+      _patch_users -= 1
+      if not _patch_users:
+        _restore_classes()
+      raise
+  try:
+    yield
+  finally:
+    with _patch_lock:
+      _patch_users -= 1
+      if not _patch_users:
+        _restore_classes()
+
+
+# ------------------------------------------------- per-trace bookkeeping
+
+def _str_path(path) -> tuple[str, ...]:
+  return tuple(str(p) for p in path)
+
+
+def _static_params(module, path) -> dict:
+  """A module's static attributes (no variables, submodules or arrays)."""
+  params = {}
+  for key, value in vars(module).items():
+    if key.startswith('_') or key.startswith('__'):
+      continue
+    if _is_variable(value) or is_graph_node(value):
+      continue
+    leaves = jtu.tree_leaves(
+        value, is_leaf=lambda x: _is_variable(x) or is_graph_node(x))
+    if any(_is_variable(x) or is_graph_node(x) or
+           isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+           for x in leaves):
+      continue
+    params[key] = value
+  if 'name' not in params:
+    params = {'name': path[-1] if path else None, **params}
+  return params
+
+
+class _Context:
+  """What one trace knows about the NNX modules it has seen."""
+
+  def __init__(self, roots):
+    self.roots = roots  # [(path prefix, module copy)]
+    self.paths: dict[int, tuple] = {}
+    self.owned: dict[int, list] = {}  # id(module) -> [(relpath, Variable)]
+    self.params: dict[int, dict] = {}
+    self.keep: list = []  # keeps ids valid for the trace's lifetime
+    self.stack: list = []  # [(module, method name, path)]
+    for prefix, node in roots:
+      self.register(node, prefix)
+
+  def register(self, root, prefix: tuple, tag: bool = False) -> None:
+    """Gives every module under ``root`` not seen yet its first path.
+
+    With ``tag``, the path is also stored on each module as a static
+    attribute (``_yax_path``): NNX transforms (``nnx.scan``, ``nnx.vmap``,
+    ``nnx.remat``, ``nnx.jit``) carry static attributes into the copies they
+    merge inside their bodies, so calls on those copies get the right path.
+    Only modules this trace created are tagged, never the user's objects.
+    """
+    items = list(nnx.iter_graph(root))
+    modules = {}
+    for path, node in items:
+      if isinstance(node, nnx.Module) and id(node) not in self.paths:
+        modules[tuple(path)] = node
+        full = (*prefix, *_str_path(path))
+        self.paths[id(node)] = vars(node).get(_TAG, full)
+        self.owned[id(node)] = []
+        self.keep.append(node)
+        if tag and _TAG not in vars(node):
+          object.__setattr__(node, _TAG, full)
+    for path, node in items:
+      if not _is_variable(node):
+        continue
+      path = tuple(path)
+      for i in range(len(path) - 1, -1, -1):
+        owner = modules.get(path[:i])
+        if owner is not None:
+          self.owned[id(owner)].append((_str_path(path[i:]), node))
+          break
+
+  def path_of(self, module) -> tuple:
+    path = self.paths.get(id(module))
+    if path is not None:
+      return path
+    tagged = vars(module).get(_TAG)
+    if tagged is not None:
+      self.register(module, tagged)
+      return self.paths[id(module)]
+    # A module this trace has not seen: a copy that an NNX transform
+    # (nnx.scan, nnx.vmap, nnx.remat, nnx.jit) merged from its input, or one
+    # created during the call. Find the original by type and graph structure
+    # in the enclosing module (or the arguments), else name it by its class.
+    scopes = ([(self.stack[-1][2], self.stack[-1][0])] if self.stack
+              else list(self.roots))
+    try:
+      graphdef = nnx.graphdef(module)
+    except Exception:  # noqa: BLE001 - not splittable: match by type only
+      graphdef = None
+    found = None
+    for prefix, scope in scopes:
+      for rel, node in nnx.iter_graph(scope):
+        if type(node) is type(module) and node is not module:
+          same = graphdef is not None and _same_graphdef(node, graphdef)
+          if same or found is None:
+            found = (*prefix, *_str_path(rel))
+          if same:
+            break
+      if found is not None:
+        break
+    if found is None:
+      found = (*self.stack[-1][2], type(module).__name__) if self.stack else ()
+    self.register(module, found, tag=_created_by_trace(module))
+    return self.paths[id(module)]
+
+  def variables(self, module) -> tuple[list, Any]:
+    """(leaves, treedef) of the module's own variables, typed."""
+    owned = self.owned.get(id(module), [])
+    nested: dict = {}
+    kinds_at: dict[tuple, str] = {}
+    for relpath, var in owned:
+      node = nested
+      for key in relpath[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+          break
+      else:
+        node[relpath[-1]] = _raw_value(var)
+        kinds_at[relpath] = type(var).__name__
+    tree = VariableTree(nested)
+    flat = jtu.tree_flatten_with_path(tree)[0]
+    kinds, leaves = [], []
+    for keypath, leaf in flat:
+      keys = tuple(str(_key(k)) for k in keypath)
+      kind = next((kinds_at[keys[:i]] for i in range(len(keys), 0, -1)
+                   if keys[:i] in kinds_at), '')
+      if not _is_traced(leaf):
+        continue
+      leaves.append(leaf)
+      kinds.append(kind)
+    if len(leaves) != len(flat):  # drop leaves that are not arrays
+      tree = jtu.tree_map(lambda v: v if _is_traced(v) else None, tree)
+    tree.kinds = tuple(kinds)
+    _, treedef = jtu.tree_flatten(tree)
+    return leaves, treedef
+
+  def call(self, module, name, fn, args, kwargs):
+    from yax import _trace
+    records = _trace._recording()
+    top = self.stack[-1] if self.stack else None
+    if records is None or (top is not None and top[0] is module
+                           and top[1] == name):
+      return fn(module, *args, **kwargs)  # not recording, or a super() call
+    path = self.path_of(module)
+    params = self.params.get(id(module))
+    if params is None:
+      params = self.params[id(module)] = _static_params(module, path)
+    var_leaves, var_tree = self.variables(module)
+    self.stack.append((module, name, path))
+    try:
+      return _trace_call(records, type(module), name, params, path, var_leaves,
+                         var_tree, lambda *a, **k: fn(module, *a, **k),
+                         args, kwargs)
+    finally:
+      self.stack.pop()
+
+
+_TAG = '_yax_path'
+
+
+def _created_by_trace(module) -> bool:
+  """True when every variable of ``module`` holds a tracer: a module merged
+  or built inside the traced function (the split form), not a user's
+  object captured by the function."""
+  leaves = jtu.tree_leaves(nnx.state(module))
+  return bool(leaves) and all(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _same_graphdef(node, graphdef) -> bool:
+  try:
+    return nnx.graphdef(node) == graphdef
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def _key(k):
+  for field in ('key', 'name', 'idx'):
+    if hasattr(k, field):
+      return getattr(k, field)
+  return k
+
+
+def _raw_value(var):
+  """A Variable's value as stored (no ``on_get_value`` hooks, no warning)."""
+  return jtu.tree_leaves(var, is_leaf=lambda x: x is not var)[0]
+
+
+def _is_traced(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
+      isinstance(x, np.ndarray) and x.dtype == object)
+
+
+def _trace_call(records, module_ty, method, params, path, var_leaves, var_tree,
+                call, args, kwargs):
+  """Binds the boundary markers around one call and records it."""
+  from yax import _markers, _trace
+  leaves, in_tree = jtu.tree_flatten((args, kwargs), is_leaf=is_graph_node)
+  dyn = [i for i, x in enumerate(leaves) if _trace.is_traced_value(x)]
+  call_id = next(_trace._ids)
+  record = _trace.CallRecord(
+      module_ty=module_ty, method=method, params=params, path=path,
+      var_tree=var_tree, in_tree=in_tree,
+      arg_statics={i: x for i, x in enumerate(leaves)
+                   if not _trace.is_traced_value(x)},
+      num_arg_leaves=len(leaves))
+  records[call_id] = record
+  marked = _markers.enter_p.bind(
+      *var_leaves, *[leaves[i] for i in dyn], call_id=call_id,
+      num_vars=len(var_leaves))
+  leaves = list(leaves)
+  for i, x in zip(dyn, marked):
+    leaves[i] = x
+  args, kwargs = jtu.tree_unflatten(in_tree, leaves)
+
+  out = call(*args, **kwargs)
+
+  out_leaves, out_tree = jtu.tree_flatten(out, is_leaf=is_graph_node)
+  out_dyn = [i for i, x in enumerate(out_leaves) if _trace.is_traced_value(x)]
+  record.out_tree = out_tree
+  record.num_out_leaves = len(out_leaves)
+  record.out_statics = {i: x for i, x in enumerate(out_leaves)
+                        if not _trace.is_traced_value(x)}
+  marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
+                                call_id=call_id)
+  for i, x in zip(out_dyn, marked):
+    out_leaves[i] = x
+  return jtu.tree_unflatten(out_tree, out_leaves)
+
+
+# ------------------------------------------------- root arguments
+
+class GraphArgument:
+  """Stands for an NNX graph node among the traced function's arguments.
+
+  Its pytree children are the node's state as ``nnx.split`` gives it when
+  all graph nodes of the arguments are split together (so shared modules and
+  variables are one leaf); ``graphdef`` (of all of them) and ``index`` are
+  static, so a tree traced on a model in another mode (``model.eval()``) or
+  with another structure does not accept this one.
+  """
+
+  __slots__ = ('graphdef', 'index', 'state')
+
+  def __init__(self, graphdef, index, state):
+    self.graphdef = graphdef
+    self.index = index
+    self.state = state
+
+  def __repr__(self):
+    return f'GraphArgument({self.index})'
+
+
+def _ga_flatten_with_keys(g: GraphArgument):
+  keys = tuple(g.state.keys())
+  return ([(jtu.DictKey(k), g.state[k]) for k in keys],
+          (g.graphdef, g.index, keys))
+
+
+def _ga_flatten(g: GraphArgument):
+  keys = tuple(g.state.keys())
+  return [g.state[k] for k in keys], (g.graphdef, g.index, keys)
+
+
+def _ga_unflatten(aux, children):
+  graphdef, index, keys = aux
+  return GraphArgument(graphdef, index, nnx.State(dict(zip(keys, children))))
+
+
+class NnxResult:
+  """The result of a traced function whose arguments hold NNX graph nodes:
+  its ``output`` and, per graph argument, the variables the call changed or
+  created (``updates``, one ``nnx.State`` each)."""
+
+  __slots__ = ('output', 'updates')
+
+  def __init__(self, output, updates):
+    self.output = output
+    self.updates = updates
+
+
+if nnx is not None:
+  jtu.register_pytree_with_keys(GraphArgument, _ga_flatten_with_keys,
+                                _ga_unflatten, _ga_flatten)
+  jtu.register_pytree_with_keys(
+      NnxResult,
+      lambda r: ([(jtu.GetAttrKey('output'), r.output),
+                  (jtu.GetAttrKey('updates'), r.updates)], None),
+      lambda _, ch: NnxResult(*ch),
+      lambda r: ([r.output, r.updates], None))
+
+
+def _split_arguments(args, kwargs):
+  """(args, kwargs) with graph nodes replaced by ``GraphArgument`` s, the
+  nodes in order, and their key paths; ``None`` when there are none."""
+  if _GraphNode is None:
+    return None
+  leaves, treedef = jtu.tree_flatten((args, kwargs), is_leaf=is_graph_node)
+  positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
+  if not positions:
+    return None
+  nodes = [leaves[i] for i in positions]
+  graphdef, state = nnx.split(tuple(nodes))
+  leaves = list(leaves)
+  for k, i in enumerate(positions):
+    sub = state[k] if k in state else nnx.State({})
+    leaves[i] = GraphArgument(graphdef, k, sub)
+  return jtu.tree_unflatten(treedef, leaves), nodes, positions, treedef
+
+
+def flatten_arguments(args, kwargs):
+  """``tree_flatten((args, kwargs))`` for ``eval_mox``, with NNX graph nodes
+  split as when tracing."""
+  split = _split_arguments(args, kwargs)
+  if split is None:
+    return jtu.tree_flatten((args, kwargs))
+  return jtu.tree_flatten(split[0])
+
+
+def apply_updates(result, args, kwargs):
+  """The traced function's output; state updates applied to the modules."""
+  if not isinstance(result, NnxResult):
+    return result
+  leaves = jtu.tree_leaves((args, kwargs), is_leaf=is_graph_node)
+  nodes = [x for x in leaves if is_graph_node(x)]
+  if len(nodes) > 1:  # apply all at once: shared variables live in one place
+    nnx.update(tuple(nodes), nnx.State(
+        {k: u for k, u in enumerate(result.updates) if len(u)}))
+  elif nodes and len(result.updates[0]):
+    nnx.update(nodes[0], result.updates[0])
+  return result.output
+
+
+def _flat_variables(state) -> dict:
+  """{path: Variable} of a state."""
+  out = {}
+  for keypath, var in jtu.tree_flatten_with_path(
+      state, is_leaf=_is_variable)[0]:
+    out[tuple(_key(k) for k in keypath)] = var
+  return out
+
+
+class TraceScope:
+  """The NNX side of one ``make_mox`` trace.
+
+  ``leaves``/``in_tree`` flatten the arguments (graph nodes split as
+  ``nnx.split`` does); use the scope as a context manager around the traced
+  call (module methods are wrapped while it is active on this thread) and
+  call the function with :meth:`call`.
+  """
+
+  def __init__(self, args, kwargs):
+    split = None if nnx is None else _split_arguments(args, kwargs)
+    self.has_nodes = split is not None
+    tree = (args, kwargs) if split is None else split[0]
+    self.leaves, self.in_tree = jtu.tree_flatten(tree)
+    if split is not None:
+      _, _, positions, treedef = split
+      # Path prefixes: one module argument is the root (its path is ());
+      # several are told apart by where they sit among the arguments.
+      placeholders = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
+      where = {i: kp for kp, i in jtu.tree_flatten_with_path(placeholders)[0]}
+      self.prefixes = [() if len(positions) == 1 else _argument_prefix(where[i])
+                       for i in positions]
+    self._saved = None
+    self._patch = None
+
+  def __enter__(self):
+    if nnx is None:
+      return self
+    self._patch = _patched_classes()
+    self._patch.__enter__()
+    self._saved = getattr(_local, 'ctx', None)
+    _local.ctx = _Context([])
+    return self
+
+  def __exit__(self, *exc):
+    if nnx is None:
+      return False
+    _local.ctx = self._saved
+    self._patch.__exit__(*exc)
+    return False
+
+  def call(self, fn, args, kwargs):
+    """Calls ``fn`` on copies of the argument graph nodes (merged from the
+    traced state) and returns its result, with state updates if any."""
+    if not self.has_nodes:
+      return fn(*args, **kwargs)
+    leaves, treedef = jtu.tree_flatten(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, GraphArgument))
+    positions = [i for i, x in enumerate(leaves)
+                 if isinstance(x, GraphArgument)]
+    graphs = [leaves[i] for i in positions]
+    graphdef = graphs[0].graphdef
+    state = nnx.State({g.index: g.state for g in graphs})
+    copies = nnx.merge(graphdef, state)
+    leaves = list(leaves)
+    for i, g in zip(positions, graphs):
+      leaves[i] = copies[g.index]
+    ctx = _local.ctx
+    for prefix, g in zip(self.prefixes, graphs):
+      ctx.roots.append((prefix, copies[g.index]))
+      ctx.register(copies[g.index], prefix, tag=True)
+    before = _flat_variables(state)
+    before_leaves = {p: jtu.tree_leaves(v) for p, v in before.items()}
+    a, k = jtu.tree_unflatten(treedef, leaves)
+    out = fn(*a, **k)
+    _, after = nnx.split(copies)
+    updates = [dict() for _ in graphs]
+    for path, var in _flat_variables(after).items():
+      old = before_leaves.get(path)
+      new = jtu.tree_leaves(var)
+      if old is not None and len(old) == len(new) and all(
+          x is y for x, y in zip(old, new)):
+        continue
+      updates[path[0]][path[1:]] = var
+    states = tuple(_nested_state(u) for u in updates)
+    return NnxResult(out, states)
+
+
+def _nested_state(flat: dict):
+  nested: dict = {}
+  for path, var in flat.items():
+    node = nested
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = var
+  return nnx.State(nested)
+
+
+def _argument_prefix(keypath) -> tuple:
+  """``args[1]`` -> ``('1',)``; ``kwargs['model']`` -> ``('model',)``."""
+  keys = [_key(k) for k in keypath]
+  return _str_path(keys[1:])
