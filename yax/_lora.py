@@ -393,6 +393,9 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'lora expects a Mox, found {type(mox).__name__}')
   rank, alpha, key = _check_rank(rank), _check_alpha(alpha), _check_key(key)
+  from yax import _nnx
+  if _nnx.is_nnx_tree(mox):  # NNX: adapters go into the traced nnx.State
+    return _nnx.lora(mox, params, selection, rank=rank, alpha=alpha, key=key)
   chosen = select(selection, mox)
   for node in chosen.targets:
     if not isinstance(node, Mox) or node.is_ephemeral:
