@@ -201,7 +201,9 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
              f'a {type(result).__name__}')
     raise _Failure(f'factory {spec} returned {found}, {expected}')
   fn, args, kwargs = result
-  if not callable(fn):
+  from yax import _nnx
+  fn, args = _nnx.module_as_argument(fn, args)  # an NNX model is traced
+  if not callable(fn):                          # as an argument
     raise _Failure(f'factory {spec} returned fn={type(fn).__name__} that is not '
                    f'callable, {expected}')
   if not isinstance(args, (tuple, list)):

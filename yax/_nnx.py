@@ -970,3 +970,45 @@ def _state_insert(state, keys, name, value):
 
 def _state_replace(state, keys, value):
   return _at_top(state, _raw_replace(_raw(state), keys, value))
+
+
+# --------------------------------------------------------- command line
+
+def call_module(module, *args, **kwargs):
+  """Calls an NNX module (what the command line traces for an NNX model)."""
+  return module(*args, **kwargs)
+
+
+def module_as_argument(fn, args):
+  """``(fn, args)`` for a factory; an NNX module given as ``fn`` becomes
+  the first argument of :func:`call_module`, so its state is traced as
+  inputs (not baked in as constants) and its updates are outputs."""
+  if nnx is not None and isinstance(fn, nnx.Module) and isinstance(
+      args, (tuple, list)):
+    return call_module, (fn, *args)
+  return fn, args
+
+
+def variable_groups(mox) -> dict:
+  """An NNX module call's variable inputs by collection, as the summary
+  shows them: ``params`` (``nnx.Param``), ``batch_stats`` (``BatchStat``),
+  other Variable types by their name."""
+  names = {'Param': 'params', 'BatchStat': 'batch_stats'}
+  groups: dict = {}
+  for sym, kind in zip(mox.var_inputs, var_kinds(mox) or ()):
+    groups.setdefault(names.get(kind, kind or 'variables'), []).append(sym)
+  return groups
+
+
+def own_variables(mox) -> dict:
+  """``{collection: {path: symbol}}`` of an NNX module call's variables
+  (collections named as in :func:`variable_groups`, paths as ``nnx.state``
+  shows them: ``kernel``, ``rngs/count``)."""
+  names = {'Param': 'params', 'BatchStat': 'batch_stats'}
+  tree = jtu.tree_unflatten(mox.var_tree, list(range(mox.num_vars)))
+  paths = ['/'.join(str(_key(k)) for k in kp)
+           for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
+  out: dict = {}
+  for path, sym, kind in zip(paths, mox.var_inputs, var_kinds(mox) or ()):
+    out.setdefault(names.get(kind, kind or 'variables'), {})[path] = sym
+  return out

@@ -91,6 +91,9 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
   """The module call's variable inputs grouped by collection name."""
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
+  from yax import _nnx
+  if _nnx.var_kinds(mox) is not None:  # NNX: grouped by Variable type
+    return _nnx.variable_groups(mox)
   tree = _var_tree(mox)
   if tree is None:
     return {'variables': list(mox.var_inputs)}
@@ -105,6 +108,9 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
 def own_variables(mox: Mox) -> dict[str, dict[str, Symbol]]:
   """``{collection: {name: symbol}}`` of the module's own variables: the
   leaves directly under each collection (submodules are sub-dicts)."""
+  from yax import _nnx
+  if isinstance(mox, Mox) and _nnx.var_kinds(mox) is not None:
+    return _nnx.own_variables(mox)  # NNX: by Variable type, as nnx.state
   tree = _var_tree(mox)
   if tree is None:
     return {}
@@ -127,7 +133,10 @@ def count(symbols) -> tuple[int, int]:
     n += size
     dtype = getattr(s.aval, 'dtype', None)
     if dtype is not None:
-      nbytes += size * np.dtype(dtype).itemsize
+      try:
+        nbytes += size * np.dtype(dtype).itemsize
+      except TypeError:  # an extended dtype (PRNG keys)
+        nbytes += size * getattr(dtype, 'itemsize', 0)
   return n, nbytes
 
 
@@ -144,7 +153,10 @@ def total_params(mox: Mox) -> tuple[int, int]:
   (a module called twice shares them). A tree without module calls has none.
   """
   seen: dict[int, Symbol] = {}
-  for node in outermost_calls(mox):
+  from yax import _nnx
+  # An NNX module call lists only its own variables: count every call's.
+  calls = module_calls(mox) if _nnx.is_nnx_tree(mox) else outermost_calls(mox)
+  for node in calls:
     for s in variable_groups(node).get(PARAMS, ()):
       seen[id(s)] = s
   return count(seen.values())
