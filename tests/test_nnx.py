@@ -396,3 +396,140 @@ def test_tracing_restores_classes_and_other_threads_unaffected():
     assert dict(vars(cls)) == attrs
   assert 'yax_enter' not in str(jax.make_jaxpr(lambda x: model(x))(X4))
   assert len(module_calls(mox, 'Linear')) == 2
+
+
+# ------------------------------------------------------------ rewrites
+
+def _split_mox(model, x):
+  graphdef, state = nnx.split(model)
+  fn = lambda s, x: nnx.merge(graphdef, s)(x)
+  return graphdef, state, fn, yax.make_mox(fn)(state, x)
+
+
+def test_lora_on_the_split_form():
+  model = MLP(4, 8, 3, rngs=rngs())
+  graphdef, state, fn, mox = _split_mox(model, X4)
+  res = yax.lora(mox, state, '//module_call[@type="Linear"]', rank=2,
+                 alpha=4.0, key=jax.random.key(3))
+  yax.check_mox(res.mox)
+  assert isinstance(res.params, nnx.State) and isinstance(res.mask, nnx.State)
+  assert res.params['fc1']['lora_a'].shape == (4, 2)
+  assert res.params['fc2']['lora_b'].shape == (2, 3)
+  assert res.mask['fc1']['lora_a'].get_value() is True
+  assert res.mask['fc1']['kernel'].get_value() is False
+  assert sorted(res.paths) == [('fc1',), ('fc2',)]
+  # B = 0 at init: the adapted tree computes what the model does.
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, X4),
+                             fn(state, X4), **TOL)
+  # With trained adapters: y = x W + b + (alpha/rank) x A B, per layer.
+  trained = jax.tree.map(lambda v: v, res.params)
+  for name in ('fc1', 'fc2'):
+    b = trained[name]['lora_b']
+    b.set_value(jnp.full(b.shape, 0.1, b.dtype))
+  got = yax.eval_mox(res.mox, trained, X4)
+
+  def expected(x):
+    for name, act in (('fc1', nnx.relu), ('fc2', lambda h: h)):
+      p = trained[name]
+      x = act(x @ p['kernel'].get_value() + p['bias'].get_value() + 2.0 * (
+          (x @ p['lora_a'].get_value()) @ p['lora_b'].get_value()))
+    return x
+  np.testing.assert_allclose(got, expected(X4), **TOL)
+  assert not np.allclose(got, fn(state, X4))
+  # merge folds the adapters into the kernels, for the original tree.
+  merged = res.merge(trained)
+  assert 'lora_a' not in merged['fc1']
+  np.testing.assert_allclose(yax.eval_mox(mox, merged, X4), got, **TOL)
+  np.testing.assert_allclose(nnx.merge(graphdef, merged)(X4), got, **TOL)
+  # Under jit, and the original tree is untouched.
+  np.testing.assert_allclose(
+      jax.jit(lambda p, x: yax.eval_mox(res.mox, p, x))(trained, X4), got,
+      **TOL)
+  assert len(module_calls(mox, 'LoRA')) == 0
+  assert len(module_calls(res.mox, 'LoRA')) == 2
+
+
+def test_lora_selection_and_module_form_errors():
+  model = MLP(4, 8, 3, rngs=rngs())
+  _, state, _, mox = _split_mox(model, X4)
+  res = yax.lora(mox, state, '//module_call[@path="fc2"]', rank=1)
+  assert res.paths == [('fc2',)]
+  with pytest.raises(yax.SubstitutionError, match='matched no module call'):
+    yax.lora(mox, state, '//module_call[@type="Conv"]')
+  with pytest.raises(yax.SubstitutionError, match='already has an adapter'):
+    yax.lora(res.mox, res.params, '//module_call[@type="LoRA"]')
+  module_mox = yax.make_mox(lambda m, x: m(x))(model, X4)
+  with pytest.raises(yax.SubstitutionError, match='nnx.split'):
+    yax.lora(module_mox, nnx.state(model), '//module_call[@type="Linear"]')
+
+
+def test_sub_swaps_an_activation_and_a_module():
+  model = ConvNet(rngs=rngs())
+  x = jnp.linspace(0, 1, 2 * 5 * 5 * 3).reshape(2, 5, 5, 3)
+  mox = yax.make_mox(lambda m, x: m(x))(model, x)
+  conv = module_calls(mox, 'Conv')[0]
+  h = jax.ShapeDtypeStruct(conv.outputs[0].aval.shape, jnp.float32)
+  new = yax.sub('//module_call[@type="ConvNet"]/*[@primitive!="module_call"]'
+                '[input = //module_call[@type="Conv"]/output]',
+                yax.make_mox(jnp.tanh)(h), mox)
+  yax.check_mox(new)
+
+  class TanhNet(ConvNet):
+    def __call__(self, x):
+      h = self.norm(jnp.tanh(self.conv(x)))
+      return self.head(h.mean(axis=(1, 2)))
+  ref = TanhNet(rngs=rngs())
+  np.testing.assert_allclose(yax.eval_mox(new, model, x), ref(x), **TOL)
+  assert_same_snapshot(snapshot(model), snapshot(model))
+  # A module traced on its own replaces one of the tree: it reads the
+  # replaced module's variables (same names and shapes), not its own.
+  head = module_calls(mox, 'Linear')[0]
+  h_in = jax.ShapeDtypeStruct(head.arg_inputs[0].aval.shape, jnp.float32)
+  other = nnx.Linear(8, 2, use_bias=True, rngs=rngs(5))
+  repl = yax.make_mox(lambda m, h: m(h))(other, h_in)
+  new = yax.sub([head], repl, mox)
+  yax.check_mox(new)
+  assert module_calls(new, 'Linear')[0] is not head
+  np.testing.assert_allclose(yax.eval_mox(new, model, x), model(x), **TOL)
+  assert not np.allclose(other(jnp.ones((2, 8))), model.head(jnp.ones((2, 8))))
+
+
+def test_views_on_nnx_trees(tmp_path):
+  from yax import _html, _summary
+  model = Noisy(rngs=rngs())
+  mox = yax.make_mox(lambda m, x: m(x))(model, X4)
+  text = str(mox)
+  assert 'module_call[' in text and 'type=BatchNorm' in text
+  data = mox.to_dict()
+  assert data['children'][-1]['tag'] == 'output'
+  assert '"vartype": "RngCount"' in mox.to_json()
+  pytest.importorskip('yt.yson')
+  buf = io.BytesIO()
+  yax.dump_yson(mox, buf)
+  assert b'BatchStat' in buf.getvalue()
+  rows = _summary.rows(mox)
+  by_path = {r.path: r for r in rows}
+  assert by_path['fc'].params == 4 * 6 + 6
+  assert by_path['bn'].params == 12 and by_path['bn'].other_vars == {
+      'batch_stats': 12}
+  assert _summary.total_params(mox)[0] == 4 * 6 + 6 + 12
+  assert _html.write_html(mox, tmp_path / 'nnx.html', compress=False) > 0
+  assert 'BatchNorm' in (tmp_path / 'nnx.html').read_text()
+
+
+def test_cli_traces_an_nnx_factory(capsys):
+  from yax import _cli
+  assert _cli.main(['query', '//module_call[@type="Linear"]/@path',
+                    'yax._bundled_nnx:factory']) == 0
+  out = capsys.readouterr().out.split()
+  assert out == ['blocks/0/mlp/fc1', 'blocks/0/mlp/fc2', 'blocks/1/mlp/fc1',
+                 'blocks/1/mlp/fc2', 'head']
+  assert _cli.main(['summary', 'yax._bundled_nnx:factory']) == 0
+  assert 'MultiHeadAttention' in capsys.readouterr().out
+
+
+def test_bundled_nnx_model_in_training_mode():
+  from yax import _bundled_nnx
+  model, tokens = _bundled_nnx.make(train=True)
+  mox = check_model(model, tokens)
+  assert len(module_calls(mox, 'Dropout')) == 4
