@@ -19,6 +19,7 @@ Usage::
     python benchmarks/trace_eval.py            # full size (minutes)
     python benchmarks/trace_eval.py --small    # tiny configs (seconds)
     python benchmarks/trace_eval.py --trace-only   # tracing rows only
+    python benchmarks/trace_eval.py --nnx      # only the NNX Transformer
 """
 
 from __future__ import annotations
@@ -259,5 +260,74 @@ def main(argv=None):
   print(row)
 
 
+# ----------------------------------------------------------------- NNX
+
+def nnx_section(small: bool, reps: dict) -> None:
+  """An NNX Transformer (``yax._bundled_nnx``): tracing and jit steady state,
+  YAX vs JAX/NNX, printed side by side, for the model passed as an object
+  and for the split form (``nnx.split``/``nnx.merge``)."""
+  from flax import nnx
+
+  from yax import _bundled_nnx
+  config = ({} if small else dict(vocab_size=1000, max_length=128, dim=256,
+                                  num_heads=8, hidden=1024, num_layers=4))
+  model, tokens = _bundled_nnx.make(batch=1, length=16 if small else 128,
+                                    **config)
+  graphdef, state = nnx.split(model)
+  forward = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+  n_params = sum(x.size for x in jax.tree.leaves(state))
+  rows = []
+
+  # Tracing: fresh function objects, so nothing is cached between runs.
+  rows.append(('trace (module)', *interleaved(
+      lambda: yax.make_mox(lambda m, x: m(x))(model, tokens),
+      lambda: jax.make_jaxpr(lambda m, x: m(x))(model, tokens).consts,
+      reps['trace'])))
+  rows.append(('trace (split)', *interleaved(
+      lambda: yax.make_mox(lambda s, x: forward(s, x))(state, tokens),
+      lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
+      reps['trace'])))
+
+  mox = yax.make_mox(lambda m, x: m(x))(model, tokens)
+  smox = yax.make_mox(forward)(state, tokens)
+  # jit steady state: nnx.jit of eval_mox vs nnx.jit of the model call ...
+  ev = nnx.jit(lambda m, x: yax.eval_mox(mox, m, x))
+  fn = nnx.jit(lambda m, x: m(x))
+  block(ev(model, tokens))
+  block(fn(model, tokens))
+  rows.append(('nnx.jit steady', *interleaved(
+      lambda: ev(model, tokens), lambda: fn(model, tokens), reps['steady'])))
+  # ... and jax.jit on the split form.
+  sev = jax.jit(lambda s, x: yax.eval_mox(smox, s, x))
+  sfn = jax.jit(forward)
+  block(sev(state, tokens))
+  block(sfn(state, tokens))
+  rows.append(('jit steady (split)', *interleaved(
+      lambda: sev(state, tokens), lambda: sfn(state, tokens),
+      reps['steady'])))
+  f_ev = flops(sev.lower(state, tokens).compile())
+  f_fn = flops(sfn.lower(state, tokens).compile())
+
+  n_eqns = sum(1 for _ in yax._ir.leaf_equations(mox))
+  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+               if isinstance(n, yax.Mox) and not n.is_ephemeral)
+  print(f'NNX Transformer ({n_params:,} params, tokens {tuple(tokens.shape)}):'
+        f' {n_eqns} equations, {n_mods} module calls; medians')
+  header = f'{"metric":<20} | {"YAX":>10} | {"JAX/NNX":>10} | ratio'
+  print(header)
+  print('-' * len(header))
+  for metric, a, b in rows:
+    print(f'{metric:<20} | {fmt_time(a):>10} | {fmt_time(b):>10} | '
+          f'{a / b:5.2f}')
+  print(f'{"FLOPs equal":<20} | {f_ev:>10.3g} | {f_fn:>10.3g} | '
+        f'{"yes" if f_ev == f_fn else "NO"}')
+
+
 if __name__ == '__main__':
-  main()
+  if '--nnx' in sys.argv[1:]:  # only the NNX section
+    sys.argv.remove('--nnx')
+    small = '--small' in sys.argv[1:]
+    nnx_section(small, {'trace': 5, 'steady': 30} if small
+                else {'trace': 11, 'steady': 50})
+  else:
+    main()
