@@ -533,3 +533,29 @@ def test_bundled_nnx_model_in_training_mode():
   model, tokens = _bundled_nnx.make(train=True)
   mox = check_model(model, tokens)
   assert len(module_calls(mox, 'Dropout')) == 4
+
+
+def test_tracing_does_not_depend_on_nnx_jit_caches():
+  model = Lifted(rngs=rngs())
+  step = nnx.jit(lambda m, x: m(x))
+  expected = step(model, X4)  # warm every jit cache involved
+  for fn in (lambda m, x: m(x), step):
+    mox = yax.make_mox(fn)(model, X4)
+    assert [n.path for n in module_calls(mox, 'Linear')] == [('a',), ('b',)]
+    np.testing.assert_allclose(yax.eval_mox(mox, model, X4), expected, **TOL)
+  # Nothing left behind: plain traces afterwards show no YAX primitive.
+  assert 'yax_' not in str(jax.make_jaxpr(lambda m, x: m(x))(model, X4))
+  assert 'yax_' not in str(jax.jit(lambda m, x: m(x)).trace(model, X4).jaxpr)
+
+
+def test_nested_tracing_gives_the_same_tree():
+  model = Noisy(rngs=rngs())
+  alone = yax.make_mox(lambda m, x: m(x))(model, X4)
+  inner = []
+
+  def outer(x):
+    inner.append(yax.make_mox(lambda m, x: m(x))(model, X4))
+    return x * 2
+
+  yax.make_mox(outer)(X4)
+  assert str(inner[0]) == str(alone)
