@@ -201,11 +201,17 @@ def _str_path(path) -> tuple[str, ...]:
   return tuple(str(p) for p in path)
 
 
+_SIMPLE = (bool, int, float, str, type, np.dtype)
+
+
 def _static_params(module, path) -> dict:
   """A module's static attributes (no variables, submodules or arrays)."""
   params = {}
   for key, value in vars(module).items():
-    if key.startswith('_') or key.startswith('__'):
+    if key.startswith('_'):
+      continue
+    if value is None or isinstance(value, _SIMPLE):
+      params[key] = value
       continue
     if _is_variable(value) or is_graph_node(value):
       continue
@@ -330,8 +336,7 @@ class _Context:
     return leaves, treedef
 
   def call(self, module, name, fn, args, kwargs):
-    from yax import _trace
-    records = _trace._recording()
+    records = _current_records()
     top = self.stack[-1] if self.stack else None
     if records is None or (top is not None and top[0] is module
                            and top[1] == name):
@@ -351,6 +356,16 @@ class _Context:
 
 
 _TAG = '_yax_path'
+
+
+def _current_records():
+  """The call records of the innermost ``make_mox`` trace on this thread."""
+  from yax import _trace
+  active = getattr(_trace, '_active', None)
+  if active is not None:
+    stack = active()
+    return stack[-1].records if stack else None
+  return _trace._recording()
 
 
 def _created_by_trace(module) -> bool:
@@ -874,9 +889,8 @@ def lora(mox, params, selection, *, rank: int, alpha: float, key):
     out = trained
     for keys in added:
       module = _state_get(out, keys)
-      a = module['lora_a'].get_value()
-      b = module['lora_b'].get_value()
-      kernel = module['kernel'].get_value()
+      a, b, kernel = (_value_of(module[k]) for k in ('lora_a', 'lora_b',
+                                                      'kernel'))
       merged = {k: v for k, v in _raw(module).items()
                 if k not in ('lora_a', 'lora_b')}
       merged['kernel'] = nnx.Param((kernel + scale * (a @ b)).astype(
@@ -886,6 +900,10 @@ def lora(mox, params, selection, *, rank: int, alpha: float, key):
 
   return LoraResult(new_mox, new_params, mask, merge,
                     [tuple(map(str, k)) for k in added])
+
+
+def _value_of(x):
+  return _raw_value(x) if _is_variable(x) else x
 
 
 def jnp_sqrt(n, dtype):
