@@ -509,11 +509,12 @@ def test_views_on_nnx_trees(tmp_path):
   buf = io.BytesIO()
   yax.dump_yson(mox, buf)
   assert b'BatchStat' in buf.getvalue()
-  rows = _summary.rows(mox)
-  by_path = {r.path: r for r in rows}
-  assert by_path['fc'].params == 4 * 6 + 6
+  by_path = {r.path: r for r in yax.summary(mox)}
+  assert by_path['fc'].params == by_path['fc'].own_params == 4 * 6 + 6
+  assert by_path['fc'].variables == ('bias: f32[6]', 'kernel: f32[4,6]')
   assert by_path['bn'].params == 12 and by_path['bn'].other_vars == {
       'batch_stats': 12}
+  assert by_path['drop'].other_vars == {'RngCount': 1, 'RngKey': 1}
   assert _summary.total_params(mox)[0] == 4 * 6 + 6 + 12
   assert _html.write_html(mox, tmp_path / 'nnx.html', compress=False) > 0
   assert 'BatchNorm' in (tmp_path / 'nnx.html').read_text()
