@@ -336,10 +336,9 @@ class _Context:
     return leaves, treedef
 
   def call(self, module, name, fn, args, kwargs):
-    records = _current_records()
     top = self.stack[-1] if self.stack else None
-    if records is None or (top is not None and top[0] is module
-                           and top[1] == name):
+    if not _recording() or (top is not None and top[0] is module
+                            and top[1] == name):
       return fn(module, *args, **kwargs)  # not recording, or a super() call
     path = self.path_of(module)
     params = self.params.get(id(module))
@@ -348,7 +347,7 @@ class _Context:
     var_leaves, var_tree = self.variables(module)
     self.stack.append((module, name, path))
     try:
-      return _trace_call(records, type(module), name, params, path, var_leaves,
+      return _trace_call(type(module), name, params, path, var_leaves,
                          var_tree, lambda *a, **k: fn(module, *a, **k),
                          args, kwargs)
     finally:
@@ -358,14 +357,10 @@ class _Context:
 _TAG = '_yax_path'
 
 
-def _current_records():
-  """The call records of the innermost ``make_mox`` trace on this thread."""
+def _recording() -> bool:
+  """Whether a ``make_mox`` trace is active on this thread."""
   from yax import _trace
-  active = getattr(_trace, '_active', None)
-  if active is not None:
-    stack = active()
-    return stack[-1].records if stack else None
-  return _trace._recording()
+  return bool(_trace._active())
 
 
 def _created_by_trace(module) -> bool:
@@ -400,22 +395,21 @@ def _is_traced(x) -> bool:
       isinstance(x, np.ndarray) and x.dtype == object)
 
 
-def _trace_call(records, module_ty, method, params, path, var_leaves, var_tree,
+def _trace_call(module_ty, method, params, path, var_leaves, var_tree,
                 call, args, kwargs):
-  """Binds the boundary markers around one call and records it."""
+  """Binds the boundary markers around one call; the call's record is the
+  markers' ``call_id`` parameter (as for Linen calls in ``_trace``)."""
   from yax import _markers, _trace
   leaves, in_tree = jtu.tree_flatten((args, kwargs), is_leaf=is_graph_node)
   dyn = [i for i, x in enumerate(leaves) if _trace.is_traced_value(x)]
-  call_id = next(_trace._ids)
   record = _trace.CallRecord(
       module_ty=module_ty, method=method, params=params, path=path,
       var_tree=var_tree, in_tree=in_tree,
       arg_statics={i: x for i, x in enumerate(leaves)
                    if not _trace.is_traced_value(x)},
       num_arg_leaves=len(leaves))
-  records[call_id] = record
   marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=call_id,
+      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
       num_vars=len(var_leaves))
   leaves = list(leaves)
   for i, x in zip(dyn, marked):
@@ -431,7 +425,7 @@ def _trace_call(records, module_ty, method, params, path, var_leaves, var_tree,
   record.out_statics = {i: x for i, x in enumerate(out_leaves)
                         if not _trace.is_traced_value(x)}
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
-                                call_id=call_id)
+                                call_id=record)
   for i, x in zip(out_dyn, marked):
     out_leaves[i] = x
   return jtu.tree_unflatten(out_tree, out_leaves)
