@@ -8,6 +8,7 @@
 from yax._check import InvariantError as InvariantError
 from yax._check import check_mox as check_mox
 from yax._errors import EvaluationError as EvaluationError
+from yax._errors import PatternError as PatternError
 from yax._errors import SignatureError as SignatureError
 from yax._errors import SubstitutionError as SubstitutionError
 from yax._errors import TraceError as TraceError
@@ -24,6 +25,11 @@ from yax._ir import Mox as Mox
 from yax._ir import Symbol as Symbol
 from yax._ir import Var as Var
 from yax._ir import map_mox as map_mox
+from yax._pattern import Match as Match
+from yax._pattern import explain_match as explain_match
+from yax._pattern import group as group
+from yax._pattern import match as match
+from yax._pattern import trace_like as trace_like
 from yax._query import query as query
 from yax._serialize import dump_xml as dump_xml
 from yax._serialize import dump_yson as dump_yson

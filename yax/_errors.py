@@ -26,3 +26,7 @@ class SubstitutionError(YaxError, ValueError):
 class EvaluationError(YaxError):
   """An equation failed while a module expression was evaluated; the message
   names the module path and the equation, ``__cause__`` is the original."""
+
+
+class PatternError(YaxError, ValueError):
+  """A pattern cannot be used for matching (see ``yax.match``)."""

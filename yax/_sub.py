@@ -698,6 +698,8 @@ def substitute(selection, repl: Replacement, mox: Mox) -> Rewrite:
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
                             f'{type(mox).__name__}')
+  from yax._pattern import expand_matches  # matches -> grouped nodes
+  mox, selection = expand_matches(selection, mox)
   if isinstance(selection, Selection) and selection.root is not mox:
     raise SubstitutionError(
         f'the selection {selection.description} was made on another tree')

@@ -1,0 +1,1009 @@
+"""Pattern rewrites: find the equations that compute a function, group them.
+
+JAX inlines many helpers into the module that calls them (``nn.gelu`` is a
+handful of ``mul``/``erfc`` equations inside ``FlaxBertIntermediate``), so
+they are not nodes that XPath can select. A *pattern* finds them by data
+flow, much as torch.fx's ``replace_pattern`` does for PyTorch graphs.
+
+How matching works:
+
+1. The pattern (a Python function on arrays) is traced with ``make_mox`` at a
+   probe shape. Its *anchor* is its equation whose primitive is rarest in the
+   searched tree (``erfc`` for the exact GELU).
+2. For every tree equation with the anchor's primitive (in evaluation order),
+   the pattern's data flow is walked from the anchor: the producer of a
+   bound value is unique; the consumers of a bound value are the candidates
+   for an equation that reads it. This *loose* walk compares primitives and
+   the places of literals only, and yields the tree values that play the
+   pattern's inputs, hence their shapes and dtypes.
+3. The pattern is traced again at exactly those shapes and dtypes (cached
+   per signature) and walked again, now comparing params, literals, shapes
+   and dtypes. A match must also be *closed*: no value computed inside it is
+   read outside it, except its outputs; and *convex*: no equation outside it
+   both depends on one of its outputs and feeds one of its inputs.
+
+Matches never overlap; earlier ones (by the anchor's place in evaluation
+order) win. A match lives in one body: the children of one module call (or of
+a ``scan``/``checkpoint`` body held in ``Equation.children``), never across
+a ``module_call`` boundary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+from yax._errors import PatternError, SubstitutionError
+from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
+
+__all__ = ['Match', 'match', 'group', 'explain_match', 'trace_like']
+
+
+# ------------------------------------------------------------------ Match
+
+class Match:
+  """One occurrence of a pattern in a tree.
+
+  Attributes:
+    equations: the tree's own :class:`~yax.Equation` objects, in evaluation
+      order.
+    inputs: the tree symbols that play the pattern's inputs (in the
+      pattern's argument order).
+    outputs: the tree symbols that play the pattern's outputs.
+    path: the module path of the module call whose body holds the match.
+  """
+
+  __slots__ = ('equations', 'inputs', 'outputs', 'path', '_body', '_root')
+
+  def __init__(self, equations, inputs, outputs, path, body, root):
+    self.equations = list(equations)
+    self.inputs = list(inputs)
+    self.outputs = list(outputs)
+    self.path = tuple(path)
+    self._body = body
+    self._root = weakref.ref(root)
+
+  def __repr__(self):
+    prims = ', '.join(e.prim.name for e in self.equations)
+    where = '/'.join(self.path) or '<root>'
+    ins = ', '.join(s.type_str for s in self.inputs)
+    outs = ', '.join(s.type_str for s in self.outputs)
+    return f'Match(at {where}: ({ins}) -> ({outs}) via [{prims}])'
+
+
+# ------------------------------------------------------------- the tree
+
+class _Index:
+  """Producers, consumers, readers and bodies of a tree, built once."""
+
+  def __init__(self, root: Mox):
+    self.root = root
+    self.order: dict[int, int] = {}      # id(node) -> pre-order position
+    self.body_of: dict[int, Mox] = {}    # id(equation) -> its body
+    self.path_of: dict[int, tuple] = {}  # id(body) -> enclosing module path
+    self.producer: dict[Symbol, Equation] = {}
+    self.consumers: dict[Symbol, list[tuple[Equation, int]]] = {}
+    self.readers: dict[Symbol, list[Expr]] = {}
+    self.consts: dict[Symbol, Any] = {}
+    self.bodies: list[Mox] = []
+    counter = itertools.count()
+
+    def add_reader(sym, node):
+      if not isinstance(sym, Literal):
+        self.readers.setdefault(sym, []).append(node)
+
+    def visit_body(body: Mox, path: tuple):
+      self.bodies.append(body)
+      self.path_of[id(body)] = path
+      self.order[id(body)] = next(counter)
+      for sym, value in zip(body.constvars, body.consts):
+        self.consts[sym] = value
+      for child in body.children:
+        if isinstance(child, Mox):
+          for sym in child.inputs:
+            add_reader(sym, child)
+          visit_body(child, child.path)
+          continue
+        self.order[id(child)] = next(counter)
+        self.body_of[id(child)] = body
+        for i, sym in enumerate(child.inputs):
+          add_reader(sym, child)
+          if not isinstance(sym, Literal):
+            self.consumers.setdefault(sym, []).append((child, i))
+        for sym in child.outputs:
+          self.producer[sym] = child
+        for inner in child.children:
+          visit_body(inner, path)
+      for sym in body.outputs:
+        add_reader(sym, body)
+
+    visit_body(root, root.path)
+
+  def equations_in(self, bodies) -> list[Equation]:
+    out = []
+    for body in bodies:
+      out.extend(c for c in body.children if isinstance(c, Equation))
+    out.sort(key=lambda e: self.order[id(e)])
+    return out
+
+
+def _bodies_under(nodes: Sequence[Mox]) -> list[Mox]:
+  """Every body under the given module calls: theirs and nested ones."""
+  out, seen = [], set()
+  stack = list(reversed(nodes))
+  while stack:
+    node = stack.pop()
+    if id(node) in seen:
+      continue
+    seen.add(id(node))
+    out.append(node)
+    for child in reversed(node.children):
+      if isinstance(child, Mox):
+        stack.append(child)
+      else:
+        stack.extend(reversed(child.children))
+  return out
+
+
+# ------------------------------------------------------- the pattern
+
+def _is_static(sym: Symbol) -> bool:
+  return isinstance(sym, Literal) and sym.is_static
+
+
+def _avals_key(avals) -> tuple:
+  return tuple((tuple(a.shape), np.dtype(a.dtype).name,
+                bool(getattr(a, 'weak_type', False))) for a in avals)
+
+
+class _Trace:
+  """A traced pattern: its equations and the data flow between them."""
+
+  def __init__(self, mox: Mox, what: str):
+    self.mox = mox
+    self.eqns: list[Equation] = list(leaf_equations(mox))
+    self.inputs = [s for s in mox.inputs if not _is_static(s)]
+    self.outputs = [s for s in mox.outputs if not _is_static(s)]
+    self.consts = dict(zip(mox.constvars, mox.consts))
+    self.producer: dict[Symbol, int] = {}
+    for i, eqn in enumerate(self.eqns):
+      for sym in eqn.outputs:
+        self.producer[sym] = i
+    self.index_of = {id(e): i for i, e in enumerate(self.eqns)}
+    self._plans: dict[int, list] = {}
+    self._validate(what)
+
+  def _validate(self, what: str):
+    if not self.eqns:
+      raise PatternError(
+          f'{what} computes nothing (it has no equations); a pattern must '
+          'apply at least one JAX primitive to its inputs')
+    for pos, sym in enumerate(self.outputs):
+      if isinstance(sym, Literal) or sym not in self.producer:
+        kind = ('a constant' if isinstance(sym, Literal) or sym in self.consts
+                else 'one of its inputs')
+        raise PatternError(
+            f'output {pos} of {what} is {kind}, not a value it computes; a '
+            'pattern must compute each of its outputs')
+    read = {s for e in self.eqns for s in e.inputs}
+    for pos, sym in enumerate(self.inputs):
+      if sym not in read:
+        raise PatternError(
+            f'input {pos} of {what} is not read by any of its equations; a '
+            'pattern must use each of its inputs')
+    for e in self.eqns:
+      if e.children:
+        raise PatternError(
+            f'{what} contains a {e.prim.name} equation whose body calls Flax '
+            'modules; patterns are plain functions on arrays')
+
+  def signature(self) -> tuple:
+    return _avals_key([s.aval for s in self.inputs])
+
+  def plan(self, anchor: int) -> list[tuple]:
+    """The order in which to visit pattern equations, from the anchor.
+
+    Each step is ``('prod', eqn, sym)`` (the equation producing an already
+    bound value: unique in the tree) or ``('cons', eqn, sym, k)`` (an
+    equation reading an already bound value as its input ``k``: one of that
+    value's consumers). Producers come first, since they do not branch.
+    """
+    steps = self._plans.get(anchor)
+    if steps is not None:
+      return steps
+    steps = []
+    visited = {anchor}
+    bound = set(_vars(self.eqns[anchor].inputs) + _vars(self.eqns[anchor].outputs))
+    while len(visited) < len(self.eqns):
+      step = None
+      for i, e in enumerate(self.eqns):
+        if i not in visited:
+          sym = next((s for s in e.outputs if s in bound), None)
+          if sym is not None:
+            step = ('prod', i, sym)
+            break
+      if step is None:
+        for i, e in enumerate(self.eqns):
+          if i not in visited:
+            k = next((k for k, s in enumerate(e.inputs)
+                      if not isinstance(s, Literal) and s in bound), None)
+            if k is not None:
+              step = ('cons', i, e.inputs[k], k)
+              break
+      if step is None:
+        raise PatternError(
+            'the pattern is not connected: some of its equations share no '
+            'value (input or intermediate) with the others; match each part '
+            'separately')
+      steps.append(step)
+      visited.add(step[1])
+      e = self.eqns[step[1]]
+      bound.update(_vars(e.inputs) + _vars(e.outputs))
+    self._plans[anchor] = steps
+    return steps
+
+
+def _vars(symbols) -> list[Symbol]:
+  return [s for s in symbols if not isinstance(s, Literal)]
+
+
+_PROBE_SHAPES = ((), (4,), (4, 4), (2, 4, 4))
+
+
+def _positional_arity(fn) -> int | None:
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  n = 0
+  for p in sig.parameters.values():
+    if p.kind is p.VAR_POSITIONAL:
+      return None
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and \
+        p.default is p.empty:
+      n += 1
+  return n
+
+
+# Traces of callable patterns, per function and input signature.
+_TRACE_CACHE: 'weakref.WeakKeyDictionary[Any, dict]' = weakref.WeakKeyDictionary()
+
+
+class _Pattern:
+  """A pattern: a fixed traced ``Mox`` or a function traced per signature."""
+
+  def __init__(self, pattern):
+    self.fn = None
+    if isinstance(pattern, Mox):
+      self.fixed = _Trace(pattern, 'the pattern')
+      self.probes = [self.fixed]
+      return
+    if not callable(pattern) or isinstance(pattern, Expr):
+      raise PatternError(
+          'a pattern must be a function on arrays or a traced Mox (from '
+          f'yax.make_mox); found {type(pattern).__name__}')
+    self.fixed = None
+    self.fn = pattern
+    try:
+      self.cache = _TRACE_CACHE.setdefault(pattern, {})
+    except TypeError:  # not weakly referenceable
+      self.cache = {}
+    self.arity = _positional_arity(pattern)
+    if self.arity is None:
+      raise PatternError(
+          f'cannot tell how many arrays the pattern {_fn_name(pattern)} takes '
+          '(it takes *args or has no signature); pass a function with named '
+          'parameters, or a pattern traced with yax.make_mox')
+    if self.arity == 0:
+      raise PatternError(f'the pattern {_fn_name(pattern)} takes no arrays')
+    self.probes = [self._probe()]
+
+  def _probe(self) -> _Trace:
+    errors = []
+    for shape in _PROBE_SHAPES:
+      args = [jax.ShapeDtypeStruct(shape, np.float32)] * self.arity
+      try:
+        return self.at([a for a in args])
+      except PatternError:
+        raise
+      except Exception as e:  # noqa: BLE001 - try the next probe shape
+        errors.append(f'{shape}: {type(e).__name__}: {e}')
+    raise PatternError(
+        f'cannot trace the pattern {_fn_name(self.fn)} at any probe shape '
+        '(float32 arrays of shapes ' + ', '.join(map(str, _PROBE_SHAPES)) +
+        '); trace it yourself with yax.make_mox at the shapes you want and '
+        'pass the traced Mox.\n  ' + '\n  '.join(errors))
+
+  def at(self, avals) -> _Trace:
+    """The pattern traced at these input shapes and dtypes (cached)."""
+    if self.fixed is not None:
+      return self.fixed
+    key = _avals_key(avals)
+    trace = self.cache.get(key)
+    if trace is None:
+      from yax._trace import make_mox
+      args = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype,
+                                   weak_type=bool(getattr(a, 'weak_type', False)))
+              for a in avals]
+      mox = make_mox(self.fn)(*args)
+      trace = self.cache[key] = _Trace(
+          mox, f'the pattern {_fn_name(self.fn)}')
+    return trace
+
+  def traces(self) -> list[_Trace]:
+    """Known traces, newest first: each is tried for the loose walk."""
+    if self.fixed is not None:
+      return [self.fixed]
+    return list(reversed(list(self.cache.values())))
+
+
+def _fn_name(fn) -> str:
+  return getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) \
+      or repr(fn)
+
+
+# ---------------------------------------------------- param comparison
+
+def _jaxpr_text(j, memo) -> str:
+  key = id(j)
+  text = memo.get(key)
+  if text is None:
+    text = memo[key] = str(j)
+  return text
+
+
+def _same_value(a, b, memo) -> bool:
+  """Structural equality of equation params (Jaxprs by text)."""
+  if a is b:
+    return True
+  if isinstance(a, (jex.Jaxpr, jex.ClosedJaxpr)) or isinstance(
+      b, (jex.Jaxpr, jex.ClosedJaxpr)):
+    if type(a) is not type(b):
+      return False
+    if _jaxpr_text(a, memo) != _jaxpr_text(b, memo):
+      return False
+    if isinstance(a, jex.ClosedJaxpr):
+      return len(a.consts) == len(b.consts) and all(
+          _same_array(x, y) for x, y in zip(a.consts, b.consts))
+    return True
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return (type(a) is type(b) and len(a) == len(b)
+            and all(_same_value(x, y, memo) for x, y in zip(a, b)))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(
+        _same_value(a[k], b[k], memo) for k in a)
+  if isinstance(a, (np.ndarray, jax.Array)) or isinstance(
+      b, (np.ndarray, jax.Array)):
+    return _same_array(a, b)
+  if callable(a) and callable(b) and not isinstance(a, type):
+    # Derivative rules and thunks (custom_jvp's jvp, custom_vjp's fwd/bwd)
+    # are new function objects on every trace and cannot be compared; the
+    # primal computation (``call_jaxpr``) and the equation name are.
+    return True
+  try:
+    return bool(a == b)
+  except Exception:  # noqa: BLE001 - incomparable values differ
+    return False
+
+
+def _same_array(a, b) -> bool:
+  try:
+    a, b = np.asarray(a), np.asarray(b)
+  except Exception:  # noqa: BLE001
+    return False
+  return a.shape == b.shape and a.dtype == b.dtype and bool(
+      np.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
+
+
+def _param_diff(pe: Equation, te: Equation, memo) -> str | None:
+  if pe.params.keys() != te.params.keys():
+    return (f'params differ: pattern has {sorted(pe.params)}, tree has '
+            f'{sorted(te.params)}')
+  for key in pe.params:
+    if not _same_value(pe.params[key], te.params[key], memo):
+      return (f'param {key!r} differs: pattern has '
+              f'{_short(pe.params[key])}, tree has {_short(te.params[key])}')
+  if pe.name != te.name:
+    return f'function name differs: pattern has {pe.name!r}, tree has {te.name!r}'
+  return None
+
+
+def _short(value) -> str:
+  text = repr(value) if not isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)) \
+      else str(value)
+  text = ' '.join(text.split())
+  return text if len(text) <= 120 else text[:117] + '...'
+
+
+# --------------------------------------------------------------- search
+
+class _Failure(Exception):
+  pass
+
+
+class _Search:
+  """Backtracking walk of one pattern trace from one anchor pair.
+
+  ``exact=False`` (the loose walk) compares primitives and where literals
+  are; ``exact=True`` compares params, literal values, shapes and dtypes,
+  and checks that the match is closed and convex.
+  """
+
+  def __init__(self, trace: _Trace, index: _Index, used: set, exact: bool,
+               memo: dict):
+    self.t = trace
+    self.ix = index
+    self.used = used
+    self.exact = exact
+    self.memo = memo
+    self.best: tuple[int, str] = (-1, '')  # deepest failure, for explain
+
+  def fail(self, depth: int, reason: str):
+    if depth >= self.best[0]:
+      self.best = (depth, reason)
+    return None
+
+  def run(self, anchor: int, te: Equation):
+    self.body = self.ix.body_of.get(id(te))
+    steps = self.t.plan(anchor)
+    env: dict[Symbol, Symbol] = {}
+    eqmap: dict[int, Equation] = {}
+    if not self.unify(anchor, te, env, eqmap, 0):
+      return None
+    return self.walk(steps, 0, env, eqmap)
+
+  def walk(self, steps, i, env, eqmap):
+    if i == len(steps):
+      return self.finish(env, eqmap)
+    step = steps[i]
+    pidx, psym = step[1], step[2]
+    pe = self.t.eqns[pidx]
+    tsym = env[psym]
+    if step[0] == 'prod':
+      te = self.ix.producer.get(tsym)
+      if te is None:
+        where = ('an input of the body' if not isinstance(tsym, Literal)
+                 else f'the literal {tsym.value!r}')
+        return self.fail(len(eqmap), (
+            f'the pattern computes {_pdesc(self.t, pidx)} but in the tree '
+            f'that value is {where}'))
+      cands = [te]
+    else:
+      k = step[3]
+      cands = [e for e, j in self.ix.consumers.get(tsym, ()) if j == k
+               and e.prim.name == pe.prim.name]
+      if not cands:
+        return self.fail(len(eqmap), (
+            f'no {pe.prim.name} equation reads the tree value that plays '
+            f'{_psym(self.t, psym)} as input {k}, as '
+            f'{_pdesc(self.t, pidx)} does'))
+    for te in cands:
+      env2, eqmap2 = dict(env), dict(eqmap)
+      if self.unify(pidx, te, env2, eqmap2, len(eqmap)):
+        found = self.walk(steps, i + 1, env2, eqmap2)
+        if found is not None:
+          return found
+    return None
+
+  def unify(self, pidx, te, env, eqmap, depth) -> bool:
+    pe = self.t.eqns[pidx]
+    fail = lambda why: self.fail(depth, f'{_pdesc(self.t, pidx)} vs tree '
+                                 f'{_tdesc(te)}: {why}')
+    if id(te) in self.used:
+      return fail('that equation is part of an earlier match') or False
+    if any(e is te for e in eqmap.values()):
+      return fail('that equation already plays another pattern equation') \
+          or False
+    if self.ix.body_of.get(id(te)) is not self.body:
+      return fail('it is in another body (a match never crosses a '
+                  'module_call boundary)') or False
+    if te.children:
+      return fail('its body calls Flax modules') or False
+    if pe.prim.name != te.prim.name:
+      return fail(f'primitive differs (pattern {pe.prim.name}, tree '
+                  f'{te.prim.name})') or False
+    if len(pe.inputs) != len(te.inputs) or len(pe.outputs) != len(te.outputs):
+      return fail(f'{len(pe.inputs)} inputs/{len(pe.outputs)} outputs in the '
+                  f'pattern, {len(te.inputs)}/{len(te.outputs)} in the tree') \
+          or False
+    if self.exact:
+      diff = _param_diff(pe, te, self.memo)
+      if diff:
+        return fail(diff) or False
+    for k, (p, t) in enumerate(zip(pe.inputs, te.inputs)):
+      why = self.bind_input(p, t, env)
+      if why:
+        return fail(f'input {k}: {why}') or False
+    for k, (p, t) in enumerate(zip(pe.outputs, te.outputs)):
+      if p in env and env[p] is not t:
+        return fail(f'output {k} is not the value the rest of the pattern '
+                    'reads there') or False
+      if self.exact and not _same_aval(p, t):
+        return fail(f'output {k} has type {t.type_str}, the pattern '
+                    f'{p.type_str}') or False
+      env[p] = t
+    eqmap[pidx] = te
+    return True
+
+  def bind_input(self, p: Symbol, t: Symbol, env) -> str | None:
+    if isinstance(p, Literal):
+      if not isinstance(t, Literal):
+        return (f'the pattern has the literal {_lit(p)} here, the tree a '
+                f'computed value ({t.type_str})')
+      if self.exact and not (_same_array(p.value, t.value)
+                             and _same_aval(p, t)):
+        return f'literal differs (pattern {_lit(p)}, tree {_lit(t)})'
+      return None
+    if p in self.t.consts:
+      value = t.value if isinstance(t, Literal) else self.ix.consts.get(t)
+      if value is None or (self.exact and not _same_array(
+          self.t.consts[p], value)):
+        return (f'the pattern reads a constant '
+                f'({_short(self.t.consts[p])}) here, the tree '
+                f'{_short(value) if value is not None else "a computed value"}')
+      return None
+    if isinstance(t, Literal):
+      return (f'the pattern reads a value here, the tree the literal {_lit(t)} '
+              '(pattern inputs stand for computed values, not literals)')
+    if p in env and env[p] is not t:
+      return (f'{_psym(self.t, p)} is already played by another tree value '
+              f'(the pattern reads one value where the tree reads two)')
+    if self.exact and not _same_aval(p, t):
+      return f'type differs (pattern {p.type_str}, tree {t.type_str})'
+    env[p] = t
+    return None
+
+  def finish(self, env, eqmap):
+    t, ix = self.t, self.ix
+    depth = len(eqmap)
+    matched = {id(e) for e in eqmap.values()}
+    outs = {env[s] for s in t.outputs}
+    for pos, p in enumerate(t.inputs):
+      sym = env.get(p)
+      if sym is None:
+        return self.fail(depth, f'input {pos} of the pattern is not bound')
+      prod = ix.producer.get(sym)
+      if prod is not None and id(prod) in matched:
+        return self.fail(depth, (
+            f'input {pos} of the pattern would be computed inside the match'))
+    if not self.exact:
+      return env, eqmap
+    for e in eqmap.values():
+      for sym in e.outputs:
+        if sym in outs:
+          continue
+        for reader in ix.readers.get(sym, ()):
+          if id(reader) not in matched:
+            return self.fail(depth, (
+                f'the value {sym.type_str} computed by {_tdesc(e)} inside '
+                f'the match is also read by {_reader_desc(reader, self.body)}, so '
+                'the match would not be closed (only outputs may escape)'))
+    why = _convexity(self.body, matched, ix)
+    if why:
+      return self.fail(depth, why)
+    return env, eqmap
+
+
+def _same_aval(p: Symbol, t: Symbol) -> bool:
+  a, b = p.aval, t.aval
+  if a is None or b is None:
+    return a is None and b is None
+  return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _lit(sym: Literal) -> str:
+  return f'{_short(sym.value)}:{sym.type_str}'
+
+
+def _pdesc(trace: _Trace, i: int) -> str:
+  e = trace.eqns[i]
+  return f'pattern equation {i} ({e.prim.name})'
+
+
+def _psym(trace: _Trace, sym: Symbol) -> str:
+  if sym in trace.inputs:
+    return f'pattern input {trace.inputs.index(sym)}'
+  return f'a pattern value ({sym.type_str})'
+
+
+def _tdesc(e: Equation) -> str:
+  ins = ', '.join(s.type_str if not isinstance(s, Literal) else _lit(s)
+                  for s in e.inputs)
+  return f'{e.prim.name}({ins})'
+
+
+def _reader_desc(reader, body: Mox) -> str:
+  if isinstance(reader, Equation):
+    return f'the equation {_tdesc(reader)}'
+  if reader is body:
+    return 'an output of the enclosing body'
+  return f"the module call at '{'/'.join(reader.path) or '<root>'}'"
+
+
+def _convexity(body: Mox, matched: set, ix: _Index) -> str | None:
+  """Why the matched equations cannot become one node, or None."""
+  positions = [i for i, c in enumerate(body.children) if id(c) in matched]
+  first, last = positions[0], positions[-1]
+  tainted: set[Symbol] = set()
+  for e in body.children[first:last + 1]:
+    if id(e) in matched:
+      tainted.update(e.outputs)
+  for c in body.children[first:last + 1]:
+    if id(c) in matched:
+      continue
+    if any(s in tainted for s in c.inputs):
+      tainted.update(c.outputs)
+      readers = [r for s in c.outputs for r in ix.readers.get(s, ())
+                 if id(r) in matched]
+      if readers:
+        return (f'{_node_desc(c)} depends on an output of the match and '
+                'feeds one of its inputs, so the match cannot be one node')
+  return None
+
+
+def _node_desc(node) -> str:
+  if isinstance(node, Equation):
+    return f'the equation {_tdesc(node)}'
+  return f"the module call at '{'/'.join(node.path) or '<root>'}'"
+
+
+# ---------------------------------------------------------------- match
+
+def _searched_bodies(mox: Mox, within, index: _Index) -> list[Mox]:
+  if within is None:
+    return index.bodies
+  if isinstance(within, str):
+    from yax._query import query
+    nodes = query(within, mox)
+  else:
+    nodes = [within] if isinstance(within, Expr) else list(within)
+  calls = []
+  for node in nodes:
+    if not isinstance(node, Mox):
+      raise PatternError(
+          f'within= selects module calls, but {within!r} matched a '
+          f'{type(node).__name__} ({node!r}); end the XPath at a '
+          'module_call element')
+    calls.append(node)
+  return _bodies_under(calls)
+
+
+def _anchor(trace: _Trace, counts: dict) -> int:
+  best = None
+  for i, e in enumerate(trace.eqns):
+    key = (counts.get(e.prim.name, 0), -i)
+    if best is None or key < best[0]:
+      best = (key, i)
+  return best[1]
+
+
+class _Matcher:
+  def __init__(self, pattern, mox: Mox, within=None):
+    if not isinstance(mox, Mox):
+      raise PatternError(f'match expects a Mox as the tree, found '
+                         f'{type(mox).__name__}')
+    self.pattern = pattern if isinstance(pattern, _Pattern) else _Pattern(pattern)
+    self.mox = mox
+    self.ix = _Index(mox)
+    self.bodies = _searched_bodies(mox, within, self.ix)
+    self.body_ids = {id(b) for b in self.bodies}
+    self.memo: dict = {}
+    self.by_prim: dict[str, list[Equation]] = {}
+    for e in self.ix.equations_in(self.bodies):
+      self.by_prim.setdefault(e.prim.name, []).append(e)
+    self.counts = {k: len(v) for k, v in self.by_prim.items()}
+
+  def loose(self, te: Equation, used: set, explain=None):
+    """Input avals of a candidate anchored at ``te``, from any known trace."""
+    known = self.pattern.traces()
+    for trace in known + [p for p in self.pattern.probes if p not in known]:
+      for i, pe in enumerate(trace.eqns):
+        if pe.prim.name != te.prim.name:
+          continue
+        search = _Search(trace, self.ix, used, False, self.memo)
+        found = search.run(i, te)
+        if found is not None:
+          env, _ = found
+          return [env[p].aval for p in trace.inputs]
+        if explain is not None:
+          explain.append(search.best)
+    return None
+
+  def exact(self, te: Equation, avals, used: set, explain=None):
+    try:
+      trace = self.pattern.at(avals)
+    except PatternError:
+      raise
+    except Exception as e:  # noqa: BLE001 - the pattern fails at that shape
+      if explain is not None:
+        explain.append((0, f'the pattern cannot be traced at the candidate '
+                           f'input types ({_avals_str(avals)}): '
+                           f'{type(e).__name__}: {e}'))
+      return None
+    for i, pe in enumerate(trace.eqns):
+      if pe.prim.name != te.prim.name:
+        continue
+      search = _Search(trace, self.ix, used, True, self.memo)
+      found = search.run(i, te)
+      if found is not None:
+        env, eqmap = found
+        return self.make_match(trace, te, env, eqmap)
+      if explain is not None:
+        explain.append(search.best)
+    if explain is not None and not any(
+        pe.prim.name == te.prim.name for pe in trace.eqns):
+      explain.append((0, f'traced at {_avals_str(avals)} the pattern has no '
+                         f'{te.prim.name} equation'))
+    return None
+
+  def make_match(self, trace, te, env, eqmap) -> Match:
+    body = self.ix.body_of[id(te)]
+    eqns = sorted(eqmap.values(), key=lambda e: self.ix.order[id(e)])
+    return Match(eqns, [env[p] for p in trace.inputs],
+                 [env[p] for p in trace.outputs], self.ix.path_of[id(body)],
+                 body, self.mox)
+
+  def run(self) -> list[Match]:
+    probe = self.pattern.probes[0]
+    anchor = probe.eqns[_anchor(probe, self.counts)]
+    matches, used = [], set()
+    for te in self.by_prim.get(anchor.prim.name, ()):
+      if id(te) in used or id(self.ix.body_of[id(te)]) not in self.body_ids:
+        continue
+      avals = self.loose(te, used)
+      if avals is None:
+        continue
+      m = self.exact(te, avals, used)
+      if m is None:
+        continue
+      matches.append(m)
+      used.update(id(e) for e in m.equations)
+    matches.sort(key=lambda m: self.ix.order[id(m.equations[0])])
+    return matches
+
+
+def _avals_str(avals) -> str:
+  return ', '.join(a.str_short(short_dtypes=True) for a in avals)
+
+
+def match(pattern, mox: Mox, *, within=None) -> list[Match]:
+  """Finds where ``mox`` computes ``pattern``, by data flow.
+
+  **Arguments:**
+  - ``pattern``: a function on arrays (e.g.
+    ``lambda x: jax.nn.gelu(x, approximate=False)``), traced by YAX at the
+    shapes and dtypes of each candidate so that one pattern matches every
+    shape and dtype; or a ``Mox`` from ``yax.make_mox`` (it matches its own
+    shapes and dtypes only).
+  - ``mox``: the tree to search. It is not modified.
+  - ``within``: an XPath expression (or module calls) restricting the search
+    to the bodies of the selected module calls and everything under them.
+
+  **Returns:** the matches (:class:`yax.Match`), in evaluation order. A
+  match is a set of equations in one body (a module call's children, or a
+  ``scan``/``checkpoint`` body's) that compute the pattern's outputs from its
+  inputs with the same primitives, params and literals, from which no value
+  but the outputs escapes. Matches do not overlap; earlier ones win.
+
+  Raises ``yax.PatternError`` when the pattern cannot be used (it computes
+  nothing, is not connected, cannot be traced at any probe shape).
+
+  Example::
+
+      ms = yax.match(lambda x: jax.nn.gelu(x, approximate=False), mox)
+      [m.path for m in ms]
+  """
+  return _Matcher(pattern, mox, within).run()
+
+
+def explain_match(pattern, mox: Mox, equation: Equation) -> str:
+  """Says whether ``pattern`` matches at ``equation`` of ``mox``, and if not,
+  why: the first difference along the best partial match (a primitive,
+  param or literal that differs, a value that escapes, a module boundary).
+
+  ``equation`` is any equation of the tree (e.g. from ``yax.query``); the
+  pattern is anchored there, at every pattern equation with the same
+  primitive. Earlier matches are not taken into account (``match`` skips a
+  candidate that overlaps an earlier match).
+
+  **Returns:** a message that starts with ``'match'`` or ``'no match'``.
+  """
+  if not isinstance(equation, Equation):
+    raise PatternError(f'explain_match expects an Equation of the tree, found '
+                       f'{type(equation).__name__}')
+  m = _Matcher(pattern, mox)
+  if id(equation) not in m.ix.body_of:
+    raise PatternError(f'{equation!r} is not an equation of this tree')
+  where = (f"the {equation.prim.name} equation in the module call at "
+           f"'{'/'.join(m.ix.path_of[id(m.ix.body_of[id(equation)])]) or '<root>'}'")
+  prims = sorted({e.prim.name for p in m.pattern.probes for e in p.eqns})
+  if equation.prim.name not in prims:
+    return (f'no match at {where}: the pattern has no {equation.prim.name} '
+            f'equation (its primitives: {", ".join(prims)})')
+  reasons: list = []
+  avals = m.loose(equation, set(), reasons)
+  if avals is None:
+    return f'no match at {where}: {_best(reasons)}'
+  reasons = []
+  found = m.exact(equation, avals, set(), reasons)
+  if found is None:
+    return (f'no match at {where} (pattern traced at {_avals_str(avals)}): '
+            f'{_best(reasons)}')
+  return f'match at {where}: {found!r}'
+
+
+def _best(reasons) -> str:
+  if not reasons:
+    return 'the pattern does not match here'
+  return max(reasons, key=lambda r: r[0])[1]
+
+
+# ---------------------------------------------------------------- group
+
+def _check_matches(matches: Sequence[Match], mox: Mox, what: str):
+  ix = _Index(mox)
+  seen = set()
+  for pos, m in enumerate(matches):
+    body = m._body
+    for e in m.equations:
+      if ix.body_of.get(id(e)) is not body:
+        raise SubstitutionError(
+            f'{what}: match {pos} ({m!r}) is not a match in this tree (its '
+            'equations are not nodes of it; match again on this tree)')
+      if id(e) in seen:
+        raise SubstitutionError(
+            f'{what}: match {pos} ({m!r}) overlaps an earlier one')
+      seen.add(id(e))
+  return ix
+
+
+def group_matches(mox: Mox, matches: Sequence[Match], name: str):
+  """A new tree with each match wrapped in an ephemeral module call.
+
+  Returns ``(new_tree, group_nodes)``, the nodes in the order of
+  ``matches``.
+  """
+  ix = _check_matches(matches, mox, 'group')
+  by_body: dict[int, list[tuple[int, Match]]] = {}
+  for pos, m in enumerate(matches):
+    by_body.setdefault(id(m._body), []).append((pos, m))
+  nodes: list[Mox | None] = [None] * len(matches)
+  used_paths: dict[tuple, int] = {}
+
+  def group_node(m: Match) -> Mox:
+    base = (*m.path, name)
+    n = used_paths.get(base, 0)
+    used_paths[base] = n + 1
+    path = base if n == 0 else (*m.path, f'{name}_{n}')
+    return Mox(m.inputs, m.outputs, {'name': name}, children=m.equations,
+               module_ty=None, entrypoint=None, path=path,
+               in_tree=jax.tree_util.tree_structure((tuple(m.inputs), {})),
+               out_tree=jax.tree_util.tree_structure(tuple(m.outputs)))
+
+  def regroup(children: list, ms) -> list:
+    for pos, m in ms:
+      ids = {id(e) for e in m.equations}
+      at = [i for i, c in enumerate(children) if id(c) in ids]
+      first, last = at[0], at[-1]
+      outs = set(m.outputs)
+      before, after = [], []
+      tainted = set(outs)
+      for c in children[first:last + 1]:
+        if id(c) in ids:
+          continue
+        if any(s in tainted for s in c.inputs):
+          tainted.update(c.outputs)
+          after.append(c)
+        else:
+          before.append(c)
+      node = group_node(m)
+      nodes[pos] = node
+      children = children[:first] + before + [node] + after + children[last + 1:]
+    return children
+
+  def rebuild(body: Mox) -> Mox:
+    children = []
+    changed = False
+    for c in body.children:
+      if isinstance(c, Mox):
+        new = rebuild(c)
+      elif c.children:
+        bodies = [rebuild(b) for b in c.children]
+        new = c if all(a is b for a, b in zip(bodies, c.children)) else \
+            c.replace(children=bodies)
+      else:
+        new = c
+      changed |= new is not c
+      children.append(new)
+    ms = by_body.get(id(body))
+    if ms:
+      children = regroup(children, ms)
+      changed = True
+    return body.replace(children=children) if changed else body
+
+  return rebuild(mox), nodes
+
+
+def group(pattern, mox: Mox, name: str, *, within=None) -> Mox:
+  """Wraps each match of ``pattern`` in an ephemeral module call named ``name``.
+
+  **Arguments:**
+  - ``pattern``: as for :func:`match`, or a list of :class:`Match` objects of
+    ``mox`` (e.g. a filtered ``yax.match`` result).
+  - ``mox``: the tree; it is not modified.
+  - ``name``: the ``name`` of the new nodes, so that
+    ``//module_call[@name="gelu"]`` selects them.
+  - ``within``: as for :func:`match`.
+
+  **Returns:** a new tree in which each match is a ``module_call`` with
+  ``module_ty=None``, ``params={'name': name}``, the match's inputs and
+  outputs, the matched equations as children and the path
+  ``(*enclosing path, name)`` (``name_1``, ... for further matches in the
+  same module). Evaluation is unchanged. Equations of the body that depend
+  on an output of a match but sit between its equations move after the new
+  node.
+  """
+  if not isinstance(name, str) or not name:
+    raise PatternError(f'group needs a non-empty string name, found {name!r}')
+  if isinstance(pattern, (list, tuple)) and all(
+      isinstance(m, Match) for m in pattern):
+    matches = list(pattern)
+  else:
+    matches = match(pattern, mox, within=within)
+  return group_matches(mox, matches, name)[0]
+
+
+def expand_matches(selection, mox: Mox):
+  """Hook for ``sub``: a list of matches -> (grouped tree, its group nodes).
+
+  Any other selection is returned unchanged with ``mox``.
+  """
+  if isinstance(selection, Match):
+    selection = [selection]
+  if not isinstance(selection, (list, tuple)) or not selection:
+    return mox, selection
+  kinds = [isinstance(m, Match) for m in selection]
+  if not any(kinds):
+    return mox, selection
+  if not all(kinds):
+    raise SubstitutionError(
+        'sub got a selection that mixes Match objects with other nodes; '
+        'substitute the matches and the nodes in two calls')
+  return group_matches(mox, selection, 'match')
+
+
+# ------------------------------------------------------------ trace_like
+
+def trace_like(fn: Callable) -> Callable[[tuple, Expr], Mox]:
+  """A replacement for ``yax.sub`` that traces ``fn`` for each node.
+
+  ``fn`` is a function on arrays; the returned callable ``(path, node)``
+  traces it with ``make_mox`` at the shapes and dtypes of the node's
+  (dynamic, non-variable) inputs, cached per signature. Use it where one
+  replacement must fit nodes of several shapes, e.g. every match of a
+  pattern::
+
+      new = yax.sub(yax.match(gelu, mox), yax.trace_like(tanh_gelu), mox)
+  """
+  cache: dict = {}
+
+  def repl(path, node):
+    syms = node.arg_inputs if isinstance(node, Mox) else node.inputs
+    avals = [s.aval for s in syms
+             if not isinstance(s, Literal) and s.aval is not None]
+    key = _avals_key(avals)
+    traced = cache.get(key)
+    if traced is None:
+      from yax._trace import make_mox
+      traced = cache[key] = make_mox(fn)(*[
+          jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in avals])
+    return traced
+
+  repl.__name__ = repl.__qualname__ = f'trace_like({_fn_name(fn)})'
+  return repl
