@@ -381,7 +381,7 @@ def _same_value(a, b, memo) -> bool:
   if isinstance(a, (np.ndarray, jax.Array)) or isinstance(
       b, (np.ndarray, jax.Array)):
     return _same_array(a, b)
-  if callable(a) and callable(b) and not isinstance(a, type):
+  if _is_function(a) and _is_function(b):
     # Derivative rules and thunks (custom_jvp's jvp, custom_vjp's fwd/bwd)
     # are new function objects on every trace and cannot be compared; the
     # primal computation (``call_jaxpr``) and the equation name are.
@@ -390,6 +390,11 @@ def _same_value(a, b, memo) -> bool:
     return bool(a == b)
   except Exception:  # noqa: BLE001 - incomparable values differ
     return False
+
+
+def _is_function(x) -> bool:
+  """A function object, or JAX's wrapper of one (``lu.WrappedFun``)."""
+  return (callable(x) and not isinstance(x, type)) or hasattr(x, 'call_wrapped')
 
 
 def _same_array(a, b) -> bool:
@@ -598,7 +603,12 @@ def _same_aval(p: Symbol, t: Symbol) -> bool:
 
 
 def _lit(sym: Literal) -> str:
-  return f'{_short(sym.value)}:{sym.type_str}'
+  try:
+    value = np.asarray(sym.value)
+    text = repr(value.item()) if value.ndim == 0 else _short(value.tolist())
+  except Exception:  # noqa: BLE001 - an odd literal: its repr
+    text = _short(sym.value)
+  return f'{text}:{sym.type_str}'
 
 
 def _pdesc(trace: _Trace, i: int) -> str:
