@@ -88,3 +88,31 @@ def test_relu_to_gelu_small():
   # ResNet's ReLUs see several shapes: one traced GELU per shape.
   m = find(r'ResNet: .*, (\d+) input shape\(s\)', out)
   assert int(m.group(1)) > 1
+
+
+def test_gelu_swap_small(tmp_path):
+  for module in ('transformers', 'optax'):
+    pytest.importorskip(module)
+  page = tmp_path / 'grouped.html'
+  out = run_example('gelu_swap.py', '--steps', '2', '--html', str(page))
+  m = find(r'found (\d+) exact GELUs', out)
+  assert int(m.group(1)) == 3  # one per layer of the small BERT
+  find(r'XPath //module_call\[@name="gelu"\] selects 3 nodes', out)
+  m = find(r'grouped tree evaluates like the original: max \|diff\| = '
+           r'([\d.e+-]+)', out)
+  assert float(m.group(1)) == 0.0
+  assert page.read_text(encoding='utf-8').startswith('<!doctype html>')
+  m = find(r'tanh swap vs HF gelu_new BERT: max \|diff\| = ([\d.e+-]+) '
+           r'\(original exact-GELU BERT: ([\d.e+-]+)\)', out)
+  new, old = map(float, m.groups())
+  assert new < 1e-5 and old > 1e-4
+  find(r'fewbit swap: 3 custom_vjp_call equations, 0 exact GELUs left', out)
+  m = find(r'max \|diff\| = ([\d.e+-]+) \(largest gradient ([\d.e+-]+)\); '
+           r'vs the true GELU gradients: ([\d.e+-]+)', out)
+  diff, scale, true_diff = map(float, m.groups())
+  assert diff <= 1e-5 * scale and true_diff > 1e-3 * scale
+  m = find(r'fine-tuning losses: ([\d.]+) -> ([\d.]+)', out)
+  assert float(m.group(2)) < float(m.group(1))
+  m = find(r'params trained through the tree vs the reference BERT: max '
+           r'\|diff\| = ([\d.e+-]+)', out)
+  assert float(m.group(1)) < 1e-5
