@@ -158,6 +158,22 @@ def test_bert_sub_on_grouped_nodes_equals_sub_on_matches(bert):
   assert max_diff(out, ref) < 2e-5
 
 
+def test_bert_softmax_of_every_rank_is_found_and_swapped(bert):
+  # Traced at a probe shape first, then at each candidate's own rank.
+  model, ids, mox = bert
+  ms = yax.match(jax.nn.softmax, mox)
+  assert [m.path for m in ms] == [
+      ('encoder', 'layer', str(i), 'attention', 'self') for i in range(2)]
+  assert [m.inputs[0].type_str for m in ms] == ['f32[2,4,8,8]'] * 2
+  # An equivalent softmax written another way gives the same outputs.
+  other = lambda x: jnp.exp(x - jax.nn.logsumexp(x, axis=-1, keepdims=True))
+  new = yax.sub(ms, yax.trace_like(other), mox)
+  yax.check_mox(new)
+  assert yax.match(jax.nn.softmax, new) == []
+  out = jax.jit(lambda p, i: yax.eval_mox(new, p, i))(model.params, ids)
+  assert max_diff(out, model(ids, params=model.params)) < 1e-4
+
+
 def test_bert_fewbit_gelu_gradients_match_a_model_using_it():
   from transformers import BertConfig, FlaxBertModel
   from transformers import modeling_flax_utils
