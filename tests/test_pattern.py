@@ -367,6 +367,28 @@ def test_multi_output_pattern_and_pattern_constants():
                   (jnp.cos(a) * b + jnp.sin(a), jnp.sin(a) * 3.0)) < 1e-6
 
 
+def test_group_moves_dependent_equations_after_the_new_node():
+  pattern = lambda x: (jnp.sin(x), jnp.cos(x))
+
+  def f(x):
+    s = jnp.sin(x)
+    u = s * 2.0  # reads an output; sits between the matched equations
+    c = jnp.cos(x)
+    return u + c
+
+  x = jnp.linspace(-1.0, 1.0, 5)
+  mox = yax.make_mox(f)(x)
+  (m,) = yax.match(pattern, mox)
+  g = yax.group([m], mox, 'sincos')
+  yax.check_mox(g)
+  assert [getattr(c, 'name', None) or c.prim.name for c in g.children] == [
+      'sincos', 'mul', 'add']
+  assert max_diff(yax.eval_mox(g, x), f(x)) == 0.0
+  new = yax.sub([m], yax.trace_like(lambda x: (jnp.cos(x), jnp.sin(x))), mox)
+  yax.check_mox(new)
+  assert max_diff(yax.eval_mox(new, x), jnp.cos(x) * 2.0 + jnp.sin(x)) < 1e-6
+
+
 # ------------------------------------------------------------ negatives
 
 def manual_gelu(x, *, c=0.7071067690849304):

@@ -198,7 +198,7 @@ class _Trace:
             f'input {pos} of {what} is not read by any of its equations; a '
             'pattern must use each of its inputs')
     for e in self.eqns:
-      if e.children:
+      if any(_calls_modules(b) for b in e.children):
         raise PatternError(
             f'{what} contains a {e.prim.name} equation whose body calls Flax '
             'modules; patterns are plain functions on arrays')
@@ -392,6 +392,31 @@ def _same_value(a, b, memo) -> bool:
     return False
 
 
+def _calls_modules(body: Mox, memo=None) -> bool:
+  """Whether a body held by an equation contains a module call."""
+  key = ('modules', id(body))
+  if memo is not None and key in memo:
+    return memo[key]
+  found = False
+  stack = list(body.children)
+  while stack and not found:
+    node = stack.pop()
+    found = isinstance(node, Mox)
+    stack.extend(node.children)
+  if memo is not None:
+    memo[key] = found
+  return found
+
+
+def _body_text(body: Mox, memo) -> str:
+  """A body held by an equation, compared by its printed Jaxpr."""
+  key = ('body', id(body))
+  text = memo.get(key)
+  if text is None:
+    text = memo[key] = str(body)
+  return text
+
+
 def _is_function(x) -> bool:
   """A function object, or JAX's wrapper of one (``lu.WrappedFun``)."""
   return (callable(x) and not isinstance(x, type)) or hasattr(x, 'call_wrapped')
@@ -508,11 +533,15 @@ class _Search:
     if self.ix.body_of.get(id(te)) is not self.body:
       return fail('it is in another body (a match never crosses a '
                   'module_call boundary)') or False
-    if te.children:
-      return fail('its body calls Flax modules') or False
     if pe.prim.name != te.prim.name:
       return fail(f'primitive differs (pattern {pe.prim.name}, tree '
                   f'{te.prim.name})') or False
+    if len(pe.children) != len(te.children) or any(
+        _calls_modules(b, self.memo) for b in te.children):
+      return fail('its body calls Flax modules') or False
+    if self.exact and any(_body_text(a, self.memo) != _body_text(b, self.memo)
+                          for a, b in zip(pe.children, te.children)):
+      return fail('the bodies it holds differ') or False
     if len(pe.inputs) != len(te.inputs) or len(pe.outputs) != len(te.outputs):
       return fail(f'{len(pe.inputs)} inputs/{len(pe.outputs)} outputs in the '
                   f'pattern, {len(te.inputs)}/{len(te.outputs)} in the tree') \
@@ -886,19 +915,22 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
   nodes: list[Mox | None] = [None] * len(matches)
   used_paths: dict[tuple, int] = {}
 
-  def group_node(m: Match) -> Mox:
+  def group_node(m: Match, eqns) -> Mox:
     base = (*m.path, name)
     n = used_paths.get(base, 0)
     used_paths[base] = n + 1
     path = base if n == 0 else (*m.path, f'{name}_{n}')
-    return Mox(m.inputs, m.outputs, {'name': name}, children=m.equations,
+    return Mox(m.inputs, m.outputs, {'name': name}, children=eqns,
                module_ty=None, entrypoint=None, path=path,
                in_tree=jax.tree_util.tree_structure((tuple(m.inputs), {})),
                out_tree=jax.tree_util.tree_structure(tuple(m.outputs)))
 
+  renamed: dict[int, Equation] = {}  # id(old equation) -> rebuilt one
+
   def regroup(children: list, ms) -> list:
     for pos, m in ms:
-      ids = {id(e) for e in m.equations}
+      eqns = [renamed.get(id(e), e) for e in m.equations]
+      ids = {id(e) for e in eqns}
       at = [i for i, c in enumerate(children) if id(c) in ids]
       first, last = at[0], at[-1]
       outs = set(m.outputs)
@@ -912,7 +944,7 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
           after.append(c)
         else:
           before.append(c)
-      node = group_node(m)
+      node = group_node(m, eqns)
       nodes[pos] = node
       children = children[:first] + before + [node] + after + children[last + 1:]
     return children
@@ -927,6 +959,7 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
         bodies = [rebuild(b) for b in c.children]
         new = c if all(a is b for a, b in zip(bodies, c.children)) else \
             c.replace(children=bodies)
+        renamed[id(c)] = new
       else:
         new = c
       changed |= new is not c
