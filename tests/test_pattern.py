@@ -141,6 +141,12 @@ def test_bert_group_is_seen_by_views_and_evaluates_the_same(bert):
   yax.dump_xml(g, buf)
   assert buf.getvalue().count('name="gelu"') == 2
   assert json.dumps(g.to_dict()).count('"gelu"') >= 2
+  rows = [r for r in yax.summary(g) if r.path.endswith('/gelu')]
+  assert [r.path for r in rows] == [
+      f'encoder/layer/{i}/intermediate/gelu' for i in range(2)]
+  assert rows[0].inputs == ('f32[2,8,37]',) and rows[0].flops > 0
+  from yax._html import render_html
+  assert render_html(g, compress=False).count('name=\\"gelu\\"') == 2
   # The input tree has no such node.
   assert yax.query('//module_call[@name="gelu"]', mox) == []
 

@@ -355,6 +355,11 @@ def _is_helper(node: Mox, owner: Mox | None) -> bool:
           and node.entrypoint not in (None, '__call__'))
 
 
+def _is_group(node: Mox) -> bool:
+  """A node made by ``yax.group`` (ephemeral, named, no method)."""
+  return node.is_ephemeral and node.entrypoint is None and node.name is not None
+
+
 def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   """The module table of ``mox``: one :class:`SummaryRow` per module call.
 
@@ -370,7 +375,7 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   out: list[SummaryRow] = []
 
   def visit(node: Expr, level: int, owner: Mox | None):
-    if isinstance(node, Mox) and not node.is_ephemeral:
+    if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
       if _is_helper(node, owner):
         for child in node.children:
           visit(child, level, owner)
