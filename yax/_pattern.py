@@ -59,15 +59,14 @@ class Match:
     path: the module path of the module call whose body holds the match.
   """
 
-  __slots__ = ('equations', 'inputs', 'outputs', 'path', '_body', '_root')
+  __slots__ = ('equations', 'inputs', 'outputs', 'path', '_body')
 
-  def __init__(self, equations, inputs, outputs, path, body, root):
+  def __init__(self, equations, inputs, outputs, path, body):
     self.equations = list(equations)
     self.inputs = list(inputs)
     self.outputs = list(outputs)
     self.path = tuple(path)
-    self._body = body
-    self._root = weakref.ref(root)
+    self._body = body  # the Mox whose children hold the equations
 
   def __repr__(self):
     prims = ', '.join(e.prim.name for e in self.equations)
@@ -786,7 +785,7 @@ class _Matcher:
     eqns = sorted(eqmap.values(), key=lambda e: self.ix.order[id(e)])
     return Match(eqns, [env[p] for p in trace.inputs],
                  [env[p] for p in trace.outputs], self.ix.path_of[id(body)],
-                 body, self.mox)
+                 body)
 
   def run(self) -> list[Match]:
     probe = self.pattern.probes[0]
