@@ -13,7 +13,7 @@ from __future__ import annotations
 from jax.extend import core as jex
 
 from yax import _compat, _lower
-from yax._format import format_value
+from yax._format import escape_text, format_value
 from yax._ir import Equation, Expr, Mox
 from yax._lower import dynamic, jax_equation, new_jaxpr_eqn
 
@@ -30,22 +30,24 @@ class _Body:
 
 def module_attributes(mox: Mox) -> list[tuple[str, str]]:
   """(key, text) pairs shown for a module call: type, name, path, method,
-  then the module fields (``None`` fields omitted)."""
+  then the module fields (``None`` fields omitted). Characters that XML
+  cannot hold are escaped as in the XML view (``\\x01``), so any field
+  value prints."""
   out = []
   if mox.module_ty is not None:
-    out.append(('type', mox.module_ty.__name__))
+    out.append(('type', escape_text(mox.module_ty.__name__)))
   if mox.name is not None:
-    out.append(('name', str(mox.name)))
+    out.append(('name', escape_text(str(mox.name))))
   if mox.path:
-    out.append(('path', '/'.join(mox.path)))
+    out.append(('path', escape_text('/'.join(map(str, mox.path)))))
   if mox.entrypoint is not None:
-    out.append(('method', mox.entrypoint))
+    out.append(('method', escape_text(str(mox.entrypoint))))
   for key, value in mox.params.items():
     if key == 'name':
       continue
     text = format_value(value, bools='python')
     if text is not None:
-      out.append((key, text))
+      out.append((escape_text(str(key)), text))
   return out
 
 
