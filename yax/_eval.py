@@ -13,6 +13,7 @@ import jax
 
 from yax import _lower, _nnx, _rules
 from yax._errors import EvaluationError, SignatureError
+from yax._format import safe_getattr, safe_repr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol
 from yax._lower import dynamic, to_jaxpr  # noqa: F401 - re-exported
 
@@ -126,62 +127,140 @@ def _failure(interp: Interpreter, eqn: Equation, error: Exception) -> str:
 # ------------------------------------------------------------- eval_mox
 
 def _given_type(x) -> str:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return f'ShapeDtypeStruct {_short_type(x)}'
   try:
     return jax.typeof(x).str_short(short_dtypes=True)
-  except Exception:  # noqa: BLE001 - not a JAX value
-    return f'{type(x).__name__} {x!r}'
+  except Exception:  # noqa: BLE001 - not a JAX value: shown by class and repr
+    return f'{type(x).__name__} {safe_repr(x, 200)}'
 
 
-def _describe_tree(tree) -> str:
-  text = str(tree)
-  return text if len(text) < 600 else text[:600] + ' ...'
+def _short_type(x) -> str:
+  try:
+    return jax.typeof(x).str_short(short_dtypes=True)
+  except Exception:  # noqa: BLE001 - only shown in a message
+    return f'{safe_getattr(x, "dtype")}{safe_getattr(x, "shape")}'
 
 
 def check_arguments(mox: Mox, args, kwargs) -> list:
   """Flattens ``(args, kwargs)`` and checks them against ``mox.in_tree``.
 
-  Raises ``SignatureError`` with expected vs given on any mismatch.
+  Containers may differ in type where the key paths are the same (a
+  ``FrozenDict`` where a dict was traced, or the reverse): only the leaves
+  reach the tree. Raises ``SignatureError`` naming the first argument path
+  that differs (missing, unexpected, or expected vs given type).
   """
   leaves, tree = _nnx.flatten_arguments(args, kwargs)  # NNX nodes split
-  if mox.in_tree is not None and tree != mox.in_tree:
-    raise SignatureError(
-        'eval_mox: the argument tree differs from the traced one.\n'
-        f'  expected: {_describe_tree(mox.in_tree)}\n'
-        f'  given:    {_describe_tree(tree)}\n'
-        'Pass arguments with the same structure as when the function was '
-        'traced (same positional/keyword arguments, same dict keys).')
   paths = None
+  if mox.in_tree is not None and tree != mox.in_tree:
+    # The arguments as the trace saw them (NNX nodes split), for key paths.
+    leaves, paths = _match_tree(mox, jax.tree_util.tree_unflatten(tree, leaves))
   for i, (sym, x) in enumerate(zip(mox.inputs, leaves)):
-    problem = None
-    if isinstance(sym, Literal) and sym.is_static:
-      same = sym.value is x
-      if not same:
-        try:
-          same = bool(sym.value == x) and type(sym.value) is type(x)
-        except Exception:  # noqa: BLE001 - incomparable objects differ
-          same = False
-      if not same:
-        problem = (f'static value {sym.value!r} (it was baked into the trace)',
-                   f'{x!r}; trace again with make_mox to use another value')
-    else:
-      try:
-        aval = jax.typeof(x)
-      except Exception:  # noqa: BLE001 - not a JAX value
-        aval = None
-      if aval is None or not hasattr(aval, 'shape'):
-        problem = (sym.type_str, f'{type(x).__name__} {x!r}')
-      elif (tuple(aval.shape) != tuple(sym.aval.shape)
-            or aval.dtype != sym.aval.dtype):
-        problem = (sym.type_str, _given_type(x))
+    problem = _leaf_problem(sym, x)
     if problem:
       if paths is None:
-        paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
-      where = _argument_position(paths[i])
+        paths = _tree_paths(mox.in_tree, jax.tree_util.tree_unflatten(
+            tree, leaves))
       raise SignatureError(
-          f'eval_mox: argument {where} does not match the trace.\n'
+          f'eval_mox: argument {paths[i]} does not match the trace.\n'
           f'  expected: {problem[0]}\n  given:    {problem[1]}')
   return leaves
+
+
+def _leaf_problem(sym: Symbol, x) -> tuple[str, str] | None:
+  """(expected, given) when the argument leaf ``x`` cannot stand for ``sym``."""
+  if isinstance(sym, Literal) and sym.is_static:
+    same = sym.value is x
+    if not same:
+      try:
+        same = bool(sym.value == x) and type(sym.value) is type(x)
+      except Exception:  # noqa: BLE001 - objects that cannot be compared differ
+        same = False
+    if not same:
+      return (f'static value {safe_repr(sym.value, 200)} (it was baked into '
+              'the trace)', f'{safe_repr(x, 200)}; trace again with make_mox '
+              'to use another value')
+    return None
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return (sym.type_str,
+            f'an abstract value, ShapeDtypeStruct {_short_type(x)}. eval_mox '
+            'computes on arrays; for output shapes call it under '
+            'jax.eval_shape(lambda *a, **k: yax.eval_mox(mox, *a, **k), ...)')
+  try:
+    aval = jax.typeof(x)
+  except Exception:  # noqa: BLE001 - not a JAX value: reported below
+    aval = None
+  if aval is None or not hasattr(aval, 'shape'):
+    return (sym.type_str, f'{type(x).__name__} {safe_repr(x, 200)}')
+  if (tuple(aval.shape) != tuple(sym.aval.shape)
+      or aval.dtype != sym.aval.dtype):
+    return (sym.type_str, _given_type(x))
+  return None
+
+
+def _keystrs(tree) -> list[str]:
+  """``args[0]['params']``-style paths of the leaves of ``(args, kwargs)``."""
+  return [_argument_position(jax.tree_util.keystr(p))
+          for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _tree_paths(treedef, given) -> list[str]:
+  """The leaf paths of the traced argument tree ``treedef``."""
+  if treedef is None:
+    return _keystrs(given)
+  try:
+    traced = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+  except Exception as e:  # noqa: BLE001 - reported with both treedefs
+    raise SignatureError(
+        'eval_mox: the argument tree differs from the traced one, whose '
+        f'custom pytree nodes cannot be rebuilt to name paths ({e}).\n'
+        f'  expected: {safe_repr(treedef, 600)}\n'
+        f'  given:    {safe_repr(jax.tree_util.tree_structure(given), 600)}'
+    ) from None
+  return _keystrs(traced)
+
+
+def _match_tree(mox: Mox, given) -> tuple[list, list[str]]:
+  """Leaves of ``given`` in the traced order, when its leaf paths are the
+  traced ones (containers of another type); else ``SignatureError`` naming
+  the first path that differs."""
+  expected = _tree_paths(mox.in_tree, given)
+  flat = jax.tree_util.tree_flatten_with_path(given)[0]
+  found = [_argument_position(jax.tree_util.keystr(p)) for p, _ in flat]
+  by_path = dict(zip(found, (x for _, x in flat)))
+  if len(by_path) == len(found) and set(found) == set(expected):
+    return [by_path[p] for p in expected], expected
+  raise SignatureError(
+      'eval_mox: the argument tree differs from the traced one at '
+      + _first_difference(mox, expected, found, by_path) +
+      '\nPass arguments with the same structure as when the function was '
+      'traced (same positional/keyword arguments, same dict keys).')
+
+
+def _first_difference(mox: Mox, expected, found, by_path) -> str:
+  types = dict(zip(expected, (s.type_str for s in mox.inputs)))
+  missing, unexpected = set(expected) - set(found), set(found) - set(expected)
+  for i in range(max(len(expected), len(found))):
+    e = expected[i] if i < len(expected) else None
+    g = found[i] if i < len(found) else None
+    if e in missing:
+      inside = [p for p in found if _extends(p, e)]
+      if inside:
+        return (f'{e}: expected {types[e]}, given a container (holding '
+                f'{inside[0]})')
+      return f'{e}: missing\n  expected: {types[e]}\n  given:    nothing'
+    if g in unexpected:
+      inside = [p for p in expected if _extends(p, g)]
+      if inside:
+        return (f'{g}: expected a container (holding {inside[0]}), given '
+                f'{_given_type(by_path[g])}')
+      return (f'{g}: unexpected\n  expected: nothing\n  given:    '
+              f'{_given_type(by_path[g])}')
+  return 'a repeated path'  # only custom pytrees give two leaves one path
+
+
+def _extends(path: str, prefix: str) -> bool:
+  return path.startswith(prefix) and path[len(prefix):len(prefix) + 1] in '[.'
 
 
 def _argument_position(keystr: str) -> str:
@@ -194,18 +273,25 @@ def _argument_position(keystr: str) -> str:
   return keystr
 
 
-def eval_mox(mox: Mox, *args, **kwargs):
+def eval_mox(mox: Mox, /, *args, **kwargs):
   """Evaluates a module expression on new arguments.
 
   **Arguments:**
-  - ``mox``: a tree returned by ``make_mox`` (or a rewrite of one).
+  - ``mox``: a tree returned by ``make_mox`` (or a rewrite of one);
+    positional-only, so the traced function may take a keyword ``mox``.
   - ``*args, **kwargs``: arguments with the structure, shapes and dtypes of
     the traced call (``mox.in_tree``); static values must be equal.
+    Containers may be of another Mapping/sequence type with the same keys
+    (a ``FrozenDict`` where a dict was traced). Concrete values or tracers:
+    an abstract ``jax.ShapeDtypeStruct`` is refused (wrap the call in
+    ``jax.eval_shape`` for shapes).
 
   **Returns:** the same pytree that the traced function returns.
 
   Works eagerly and under ``jax.jit``, ``vmap``, ``grad`` and ``lax.scan``.
-  Raises ``yax.SignatureError`` when the arguments do not match.
+  Raises ``yax.SignatureError`` when the arguments do not match, naming the
+  first argument path that differs
+  (``args[0]['params']['Dense_1']['bias']: missing``).
   """
   if not isinstance(mox, Mox):
     raise SignatureError(f'eval_mox expects a Mox as first argument, found '

@@ -138,6 +138,18 @@ def debug_info_for(info, num_inputs: int, num_outputs: int):
   return info._replace(arg_names=names, result_paths=paths)
 
 
+_DebugInfo = getattr(jex, 'DebugInfo', None)
+
+
+def new_debug_info(traced_for: str):
+  """A ``DebugInfo`` for a Jaxpr YAX builds itself: JAX deprecates Jaxprs
+  made without one (jax-ml/jax#26480). None where ``jax.extend.core`` has no
+  such type (then JAX does not ask for one)."""
+  if _DebugInfo is None:  # pragma: no cover - depends on the JAX version
+    return None
+  return _DebugInfo(traced_for, '<yax>', None, None)
+
+
 def _with_debug_info(jaxpr: jex.Jaxpr, info) -> jex.Jaxpr:
   info = debug_info_for(info, len(jaxpr.invars), len(jaxpr.outvars))
   return jaxpr if info is None else jaxpr.replace(debug_info=info)
@@ -215,7 +227,8 @@ def to_jaxpr(mox: Mox) -> jex.ClosedJaxpr:
             if not isinstance(s, Literal)]
   eqns = [jax_equation(e, jv) for e in leaf_equations(mox)]
   outvars = [jv(s) for s in dynamic(mox.outputs)]
-  jaxpr = jex.Jaxpr(constvars, invars, outvars, eqns, _effects(eqns))
+  jaxpr = jex.Jaxpr(constvars, invars, outvars, eqns, _effects(eqns),
+                    new_debug_info('yax.to_jaxpr'))
   return make_closed(_with_debug_info(jaxpr, mox.debug_info), mox.consts)
 
 
@@ -244,7 +257,8 @@ def _one_equation(eqn: Equation, params: dict) -> jex.Jaxpr:
   # write each output symbol.
   outs = [jex.Var(s.aval) if s.dropped else jv(s) for s in eqn.outputs]
   jeqn = jeqn.replace(outvars=outs)
-  return jex.Jaxpr([], ins, outs, [jeqn], jeqn.effects)
+  return jex.Jaxpr([], ins, outs, [jeqn], jeqn.effects,
+                   new_debug_info('yax.eval_mox'))
 
 
 _ONE_EQUATION: 'weakref.WeakKeyDictionary[Equation, jex.Jaxpr]' = (

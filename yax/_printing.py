@@ -92,7 +92,8 @@ class _Display:
     invars = [jv(s) for s in dynamic(mox.inputs)]
     outvars = [jv(s) for s in dynamic(mox.outputs)]
     body = jex.Jaxpr([], [v for v in invars if isinstance(v, jex.Var)],
-                     outvars, self.eqns(mox.children))
+                     outvars, self.eqns(mox.children),
+                     debug_info=_lower.new_debug_info('yax.print'))
     binders = [v for v in outvars if isinstance(v, jex.Var)]
     return new_jaxpr_eqn(invars, binders, module_call_p,
                              {'mox': mox, 'body': _Body(body)}, frozenset())
@@ -115,7 +116,8 @@ class _Display:
     outvars = [jv(s) for s in dynamic(mox.outputs)]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
     return _lower.make_closed(
-        jex.Jaxpr(constvars, invars, outvars, eqns, effects), mox.consts)
+        jex.Jaxpr(constvars, invars, outvars, eqns, effects,
+                  _lower.new_debug_info('yax.print')), mox.consts)
 
 
 def display_jaxpr(expr: Expr) -> jex.ClosedJaxpr:
