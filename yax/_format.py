@@ -253,8 +253,8 @@ def _format(value, bools: str, depth: int) -> str | None:
       value, (tuple, list, collections.abc.Mapping)):
     return '...'
   if isinstance(value, (tuple, list)):
-    inner = [repr(v) if isinstance(v, str) else _format(v, bools, depth + 1)
-             for v in value]
+    inner = [safe_repr(v) if isinstance(v, str)
+             else _format(v, bools, depth + 1) for v in value]
     inner = ['None' if s is None else s for s in inner]
     if isinstance(value, tuple):
       text = '(' + ', '.join(inner) + (',)' if len(inner) == 1 else ')')

@@ -148,7 +148,7 @@ class _Compiled:
     # select it are counted as well (see ``_lxml_select``).
     plain = _outside_literals(self.text)
     self.may_select_document = bool(re.search(
-        r'\.\.|parent|ancestor|/\s*(?=[^\s/\w*@(]|$)', plain))
+        r'\.\.|parent|ancestor|self::|/\s*(?=[^\s/\w*@(]|$)', plain))
     if needs_xpath2(self.text):
       self.selector, ep_error = self._parse_elementpath()
       if self.selector is not None:
