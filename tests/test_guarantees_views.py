@@ -143,6 +143,18 @@ def test_other_elementpath_exceptions_are_xpath_errors(mlp, monkeypatch):
     yax.query(expr, mlp[3])
 
 
+def test_other_exceptions_while_parsing_are_xpath_errors(mlp, monkeypatch):
+  class Broken:
+    def __init__(self, *args, **kwargs):
+      raise KeyError('internal')
+  monkeypatch.setattr(_query, '_parser', lambda: Broken)
+  expr = 'upper-case("only in this test")'  # not compiled before
+  with pytest.raises(yax.XPathError, match=r"(?s)invalid XPath.*"
+                     r"XPath 3.1 \(elementpath\): KeyError: 'internal'"):
+    yax.query(expr, mlp[3])
+  _query.compile_xpath.cache_clear()
+
+
 def test_failed_evaluation_does_not_change_later_results(mlp):
   mox = mlp[3]
   # lxml compiles these (XPath 1.0) but cannot run them without $n.
@@ -179,6 +191,13 @@ def test_elements_not_in_the_view_raise(mlp):
                'parse-xml-fragment("<a/>")'):
     with pytest.raises(yax.XPathError, match='not part of the XML view'):
       yax.query(expr, mlp[3])
+
+
+def test_view_maps_only_its_own_elements(mlp):
+  view = _serialize.xml_view(mlp[3])
+  assert view.node(view.root, mlp[3]) is mlp[3]
+  with pytest.raises(yax.YaxError, match='is not an element of the XML view'):
+    view.node(etree.Element('module_call'), mlp[3])
 
 
 def test_maps_and_arrays_map_back_to_nodes(mlp):

@@ -55,8 +55,7 @@ def _nodes(mox: Expr) -> list[Expr]:
   for el in view.root.iter():
     if el.tag in _SYMBOL_TAGS:
       continue
-    obj = view.objects.get(el)
-    out.append(mox if obj is None else obj)
+    out.append(view.node(el, mox))
   return out
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from lxml import etree
 
 from yax._errors import XPathError
-from yax._format import XML_BAD_CHAR
+from yax._format import XML_BAD_CHAR, safe_repr
 from yax._ir import Equation, Expr, Mox, Symbol
 from yax._serialize import xml_view
 
@@ -456,7 +456,7 @@ def query(expr: str, mox: Expr, *, variables: dict[str, Any] | None = None
   if not isinstance(expr, str):
     raise XPathError(
         f'expected an XPath expression (str), got {type(expr).__name__}: '
-        f'{_short_repr(expr)}')
+        f'{safe_repr(expr, 80)}')
   compiled = compile_xpath(expr)
   view = xml_view(mox)
   variables = _check_variables(variables)
@@ -485,23 +485,13 @@ def _lxml_select(compiled: _Compiled, view, variables):
   return result
 
 
-def _short_repr(value) -> str:
-  try:
-    text = repr(value)
-  except Exception as e:  # noqa: BLE001 - only shown in a message
-    text = f'<{type(value).__name__}: repr raised {type(e).__name__}>'
-  return text if len(text) <= 80 else text[:80] + '...'
-
-
 def _map(result, view, mox, compiled):
   if isinstance(result, list):
     return [_map(item, view, mox, compiled) for item in result]
   if isinstance(result, etree._Element):
-    try:
-      obj = view.objects[result]
-    except KeyError:
-      raise _foreign(compiled, f'<{result.tag}>') from None
-    return mox if obj is None else obj
+    if result not in view.objects:
+      raise _foreign(compiled, f'<{result.tag}>')
+    return view.node(result, mox)
   if isinstance(result, etree._ElementTree):
     if result.getroot() is not view.root:
       raise _foreign(compiled, 'a document')

@@ -319,6 +319,17 @@ class XmlView:
     self.names = names
     self._ep_root = None
 
+  def node(self, element, tree: Expr):
+    """The node or symbol ``element`` stands for (``tree`` for the root
+    element); raises :class:`YaxError` for an element of another document."""
+    try:
+      obj = self.objects[element]
+    except (KeyError, TypeError):
+      raise YaxError(
+          f'{safe_repr(element, 80)} is not an element of the XML view of '
+          f'{safe_repr(tree, 80)}') from None
+    return tree if obj is None else obj
+
   def elementpath_root(self):
     """The elementpath node tree of the document (built on first use): its
     document node, whose one child is the root element."""
