@@ -214,6 +214,8 @@ def test_wrong_argument_types_raise_yax_errors(mlp):
     yax.query(b'//module_call', mlp[3])
   with pytest.raises(yax.XPathError, match=r'variables: \$t must be a str'):
     yax.query('//*[@type=$t]', mlp[3], variables={'t': object()})
+  with pytest.raises(yax.XPathError, match=r'invalid value of \$t: .*U\+0000'):
+    yax.query('//*[@type=$t]', mlp[3], variables={'t': 'a\x00'})
   with pytest.raises(yax.XPathError, match='not a valid XPath variable'):
     yax.query('//*', mlp[3], variables={'a b': 1})
   with pytest.raises(yax.XPathError, match='expected a dict'):

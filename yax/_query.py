@@ -115,12 +115,12 @@ def needs_xpath2(text: str) -> bool:
              for name in _CALL.findall(_outside_literals(text)))
 
 
-def _check_characters(expr: str) -> None:
+def _check_characters(expr: str, what: str = 'XPath expression') -> None:
   bad = XML_BAD_CHAR.search(expr)
   if bad is not None:
     ch = bad.group()
     raise XPathError(
-        f'invalid XPath expression: it contains U+{ord(ch):04X} '
+        f'invalid {what}: it contains U+{ord(ch):04X} '
         f'({ch!r}) at column {bad.start() + 1}, a character that XML, and so '
         f'XPath, cannot hold: {expr!r:.200}\n'
         '  In the XML view such characters of module fields are written as '
@@ -150,7 +150,7 @@ class _Compiled:
     self.may_select_document = bool(re.search(
         r'\.\.|parent|ancestor|self::|/\s*(?=[^\s/\w*@(]|$)', plain))
     if needs_xpath2(self.text):
-      self.selector, ep_error = self._parse_elementpath()
+      self.selector, _ = self._parse_elementpath()
       if self.selector is not None:
         return
     try:
@@ -412,7 +412,7 @@ def _check_variables(variables) -> dict[str, Any]:
       raise XPathError(f'variables: {name!r} is not a valid XPath variable '
                        'name (letters, digits, _, - and ., not first a digit)')
     if isinstance(value, str):
-      _check_characters(value)
+      _check_characters(value, f'value of ${name}')
     elif not isinstance(value, (bool, int, float)):
       raise XPathError(
           f'variables: ${name} must be a str, int, float or bool, got '
