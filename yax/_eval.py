@@ -7,6 +7,7 @@ Subclass it to observe or change evaluation (e.g. record activations).
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any, Sequence
 
 import jax
@@ -229,12 +230,31 @@ def _match_tree(mox: Mox, given) -> tuple[list, list[str]]:
   found = [_argument_position(jax.tree_util.keystr(p)) for p, _ in flat]
   by_path = dict(zip(found, (x for _, x in flat)))
   if len(by_path) == len(found) and set(found) == set(expected):
-    return [by_path[p] for p in expected], expected
+    traced = jax.tree_util.tree_unflatten(
+        mox.in_tree, range(mox.in_tree.num_leaves))
+    if (jax.tree_util.tree_structure(_plain_mappings(traced))
+        == jax.tree_util.tree_structure(_plain_mappings(given))):
+      return [by_path[p] for p in expected], expected
+    raise SignatureError(
+        'eval_mox: the argument tree differs from the traced one in its '
+        'static structure (the leaves are the same).\n'
+        f'  expected: {safe_repr(mox.in_tree, 600)}\n'
+        f'  given:    {safe_repr(jax.tree_util.tree_structure(given), 600)}')
   raise SignatureError(
       'eval_mox: the argument tree differs from the traced one at '
       + _first_difference(mox, expected, found, by_path) +
       '\nPass arguments with the same structure as when the function was '
       'traced (same positional/keyword arguments, same dict keys).')
+
+
+def _plain_mappings(tree):
+  """``tree`` with every Mapping that is not a dict (a ``FrozenDict``) made a
+  dict: containers that differ only so are accepted."""
+  def is_other_mapping(x):
+    return isinstance(x, collections.abc.Mapping) and not isinstance(x, dict)
+  return jax.tree_util.tree_map(
+      lambda x: {k: _plain_mappings(v) for k, v in x.items()}
+      if is_other_mapping(x) else x, tree, is_leaf=is_other_mapping)
 
 
 def _first_difference(mox: Mox, expected, found, by_path) -> str:
