@@ -138,7 +138,17 @@ def debug_info_for(info, num_inputs: int, num_outputs: int):
   return info._replace(arg_names=names, result_paths=paths)
 
 
-_DebugInfo = getattr(jex, 'DebugInfo', None)
+def _debug_info_type():
+  """``jax.extend.core.DebugInfo`` (jax >= 0.8.1). jax 0.8.0 does not export
+  the class but already warns about Jaxprs built without one: take the type
+  of the debug info of a Jaxpr traced by the public ``jax.make_jaxpr``."""
+  cls = getattr(jex, 'DebugInfo', None)
+  if cls is None:
+    cls = type(jax.make_jaxpr(lambda x: x)(0.0).jaxpr.debug_info)
+  return cls
+
+
+_DebugInfo = _debug_info_type()
 
 
 def new_debug_info(traced_for: str):
