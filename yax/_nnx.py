@@ -319,18 +319,19 @@ class _Context:
         node[relpath[-1]] = _raw_value(var)
         kinds_at[relpath] = type(var).__name__
     tree = VariableTree(nested)
+    from yax._trace import is_traced_value  # _trace imports this module
     flat = jtu.tree_flatten_with_path(tree)[0]
     kinds, leaves = [], []
     for keypath, leaf in flat:
       keys = tuple(str(_key(k)) for k in keypath)
       kind = next((kinds_at[keys[:i]] for i in range(len(keys), 0, -1)
                    if keys[:i] in kinds_at), '')
-      if not _is_traced(leaf):
+      if not is_traced_value(leaf):
         continue
       leaves.append(leaf)
       kinds.append(kind)
     if len(leaves) != len(flat):  # drop leaves that are not arrays
-      tree = jtu.tree_map(lambda v: v if _is_traced(v) else None, tree)
+      tree = jtu.tree_map(lambda v: v if is_traced_value(v) else None, tree)
     tree.kinds = tuple(kinds)
     _, treedef = jtu.tree_flatten(tree)
     return leaves, treedef
@@ -345,11 +346,12 @@ class _Context:
     if params is None:
       params = self.params[id(module)] = _static_params(module, path)
     var_leaves, var_tree = self.variables(module)
+    from yax._trace import marked_call  # _trace imports this module
     self.stack.append((module, name, path))
     try:
-      return _trace_call(type(module), name, params, path, var_leaves,
+      return marked_call(type(module), name, params, path, var_leaves,
                          var_tree, lambda *a, **k: fn(module, *a, **k),
-                         args, kwargs)
+                         args, kwargs, is_leaf=is_graph_node)
     finally:
       self.stack.pop()
 
@@ -388,47 +390,6 @@ def _key(k):
 def _raw_value(var):
   """A Variable's value as stored (no ``on_get_value`` hooks, no warning)."""
   return jtu.tree_leaves(var, is_leaf=lambda x: x is not var)[0]
-
-
-def _is_traced(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
-      isinstance(x, np.ndarray) and x.dtype == object)
-
-
-def _trace_call(module_ty, method, params, path, var_leaves, var_tree,
-                call, args, kwargs):
-  """Binds the boundary markers around one call; the call's record is the
-  markers' ``call_id`` parameter (as for Linen calls in ``_trace``)."""
-  from yax import _markers, _trace
-  leaves, in_tree = jtu.tree_flatten((args, kwargs), is_leaf=is_graph_node)
-  dyn = [i for i, x in enumerate(leaves) if _trace.is_traced_value(x)]
-  record = _trace.CallRecord(
-      module_ty=module_ty, method=method, params=params, path=path,
-      var_tree=var_tree, in_tree=in_tree,
-      arg_statics={i: x for i, x in enumerate(leaves)
-                   if not _trace.is_traced_value(x)},
-      num_arg_leaves=len(leaves))
-  marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
-      num_vars=len(var_leaves))
-  leaves = list(leaves)
-  for i, x in zip(dyn, marked):
-    leaves[i] = x
-  args, kwargs = jtu.tree_unflatten(in_tree, leaves)
-
-  out = call(*args, **kwargs)
-
-  out_leaves, out_tree = jtu.tree_flatten(out, is_leaf=is_graph_node)
-  out_dyn = [i for i, x in enumerate(out_leaves) if _trace.is_traced_value(x)]
-  record.out_tree = out_tree
-  record.num_out_leaves = len(out_leaves)
-  record.out_statics = {i: x for i, x in enumerate(out_leaves)
-                        if not _trace.is_traced_value(x)}
-  marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
-                                call_id=record)
-  for i, x in zip(out_dyn, marked):
-    out_leaves[i] = x
-  return jtu.tree_unflatten(out_tree, out_leaves)
 
 
 # ------------------------------------------------- root arguments

@@ -129,11 +129,21 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
   var_leaves, var_tree = tree_flatten(own_variables(module))
-  leaves, in_tree = tree_flatten((args, kwargs))
+  return marked_call(type(module), context.method_name, module_fields(module),
+                     tuple(module.path), var_leaves, var_tree, next_fun, args,
+                     kwargs)
+
+
+def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
+                args, kwargs, *, is_leaf=None):
+  """Runs ``call(*args, **kwargs)`` between the boundary markers and
+  returns its result. The call's record is the markers' ``call_id``
+  parameter. Used for Linen calls (the interceptor above) and NNX calls
+  (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
+  leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
   dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
   record = CallRecord(
-      module_ty=type(module), method=context.method_name,
-      params=module_fields(module), path=tuple(module.path),
+      module_ty=module_ty, method=method, params=params, path=path,
       var_tree=var_tree, in_tree=in_tree,
       arg_statics={i: x for i, x in enumerate(leaves)
                    if not is_traced_value(x)},
@@ -146,9 +156,9 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
     leaves[i] = x
   args, kwargs = tree_unflatten(in_tree, leaves)
 
-  out = next_fun(*args, **kwargs)
+  out = call(*args, **kwargs)
 
-  out_leaves, out_tree = tree_flatten(out)
+  out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
   out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
   record.out_tree = out_tree
   record.num_out_leaves = len(out_leaves)
