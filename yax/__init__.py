@@ -12,6 +12,7 @@ from yax._errors import PatternError as PatternError
 from yax._errors import SignatureError as SignatureError
 from yax._errors import SubstitutionError as SubstitutionError
 from yax._errors import TraceError as TraceError
+from yax._errors import TraceWarning as TraceWarning
 from yax._errors import XPathError as XPathError
 from yax._errors import YaxError as YaxError
 from yax._eval import Interpreter as Interpreter

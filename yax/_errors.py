@@ -30,3 +30,11 @@ class EvaluationError(YaxError):
 
 class PatternError(YaxError, ValueError):
   """A pattern cannot be used for matching (see ``yax.match``)."""
+
+
+class TraceWarning(UserWarning):
+  """A module call was seen while tracing but could not be recorded as a
+  ``module_call`` node (it ended in an exception the model caught, or it
+  started and ended in two different JAX traces). Its equations stay in the
+  enclosing body, so the tree still computes what the function computes;
+  the message names the module path and why."""

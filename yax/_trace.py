@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from yax import _lower, _markers, _nnx, _rules
-from yax._errors import TraceError
+from yax._errors import TraceError, TraceWarning
 from yax._ir import Equation, Literal, Mox, Symbol, Var
 
 tree_flatten = jax.tree_util.tree_flatten
@@ -82,6 +83,9 @@ class CallRecord:
   out_tree: Any = None
   out_statics: dict = dataclasses.field(default_factory=dict)
   num_out_leaves: int = 0
+  # Set when the call ended in an exception (the model may catch it): the
+  # exit marker was never bound, so the builder leaves the call out.
+  failed: str | None = None
 
 
 # Field names per module class, computed once (``dataclasses.fields`` is
@@ -119,7 +123,8 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
   # A nested ``make_mox`` (called while ``fn`` of an outer one runs) installs
   # its own interceptor; only the innermost trace records, so the inner tree
   # is the same as when traced alone and the outer one sees no markers twice.
-  if not active or active[-1] is not trace or context.method_name == 'setup':
+  if not active or active[-1] is not trace or not is_module_method(
+      context.method_name):
     return next_fun(*args, **kwargs)
   module = context.module
   if module.scope is None:
@@ -132,6 +137,17 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
   return marked_call(type(module), context.method_name, module_fields(module),
                      tuple(module.path), var_leaves, var_tree, next_fun, args,
                      kwargs)
+
+
+def is_module_method(name: str) -> bool:
+  """Whether a call of method ``name`` is a module call: ``__call__`` and
+  ordinary methods are; ``setup`` and Python protocol methods
+  (``__getattr__``, ``__setattr__``, ``__getitem__``, ...: every dunder but
+  ``__call__``) never are, whatever the model's class defines."""
+  if name == 'setup':
+    return False
+  return name == '__call__' or not (name.startswith('__')
+                                    and name.endswith('__'))
 
 
 def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
@@ -156,7 +172,13 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     leaves[i] = x
   args, kwargs = tree_unflatten(in_tree, leaves)
 
-  out = call(*args, **kwargs)
+  try:
+    out = call(*args, **kwargs)
+  except BaseException as e:
+    # The model may catch this (``try: y = self.inner(x) except ...``): the
+    # call has no exit, and the tree builder leaves it out with a warning.
+    record.failed = type(e).__name__
+    raise
 
   out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
   out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
@@ -259,13 +281,24 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
             *[leaves[i] for i in dyn])
     finally:
       active.pop()
-    return build_root(closed, leaves, in_tree, dyn, out_info)
+    builder = _Builder()
+    root = build_root(builder, closed, leaves, in_tree, dyn, out_info)
+    for record, why in builder.left_out.items():
+      warnings.warn(TraceWarning(
+          f"the call {_call_name(record)} is not recorded as a module_call: "
+          f"{why}; its equations stay in the enclosing body, so the tree "
+          "still computes what the function computes"), stacklevel=2)
+    return root
 
   return trace
 
 
-def build_root(closed, leaves, in_tree, dyn, out_info) -> Mox:
-  builder = _Builder()
+def _call_name(rec: CallRecord) -> str:
+  return (f"{rec.module_ty.__name__}.{rec.method} at path "
+          f"'{'/'.join(rec.path) or '<root>'}'")
+
+
+def build_root(builder, closed, leaves, in_tree, dyn, out_info) -> Mox:
   jaxpr = closed.jaxpr
   constvars = [builder.bind(v) for v in jaxpr.constvars]
   invars = iter(builder.bind(v) for v in jaxpr.invars)
@@ -305,6 +338,9 @@ class _Frame:
   arg_inputs: list
   children: list
   start: int = 0  # symbols bound from here on are defined inside the call
+  # Variables of calls left out of the tree (see ``_Builder.dissolve``)
+  # whose equations now sit in this frame's body.
+  reach: dict = dataclasses.field(default_factory=dict)
 
 
 # Variables a node reaches: (collection, *module path) -> that module's own
@@ -320,6 +356,8 @@ class _Builder:
     self.env: dict[Any, Symbol] = {}
     self.order: dict[Symbol, int] = {}  # definition order of every symbol
     self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
+    # Calls seen but not recorded as nodes -> why (one warning each).
+    self.left_out: dict[CallRecord, str] = {}
 
   def bind(self, v) -> Var:
     sym = Var(v.aval, dropped=isinstance(v, _lower.JaxDropVar))
@@ -339,39 +377,55 @@ class _Builder:
       if eqn.primitive is _markers.enter_p:
         ins = [self.read(v) for v in eqn.invars]
         n = eqn.params['num_vars']
-        for o, s in zip(eqn.outvars, ins[n:]):
+        for o, s in zip(eqn.outvars, ins[n:], strict=True):
           self.env[o] = s
         record = eqn.params['call_id']
         stack.append(_Frame(record, record, ins[:n],
                             ins[n:], [], len(self.order)))
       elif eqn.primitive is _markers.exit_p:
         outs = [self.read(v) for v in eqn.invars]
-        for o, s in zip(eqn.outvars, outs):
+        for o, s in zip(eqn.outvars, outs, strict=True):
           self.env[o] = s
         record = eqn.params['call_id']
+        depth = next((i for i in range(len(stack) - 1, 0, -1)
+                      if stack[i].record is record), None)
+        if depth is None:  # entered in another JAX trace
+          self.leave_out(record)
+          continue
+        while len(stack) - 1 > depth:  # calls ended by a caught exception
+          self.dissolve(stack)
         frame = stack.pop()
-        if frame.call_id is not record:
-          raise self._unmatched(frame, record)
         stack[-1].children.append(self._module_call(frame, outs))
       else:
         stack[-1].children.append(self.equation(eqn))
-    if len(stack) > 1:
-      raise self._unmatched(stack[-1], None)
+    while len(stack) > 1:  # no exit here: an exception, or another trace
+      self.dissolve(stack)
     return root.children
 
-  def _unmatched(self, frame: _Frame, exit_record) -> TraceError:
-    def name(rec):
-      return (f"{rec.module_ty.__name__}.{rec.method} at path "
-              f"'{'/'.join(rec.path) or '<root>'}'")
-    found = ('the end of the body' if exit_record is None
-             else f'the exit of {name(exit_record)}')
-    where = ('the top level' if frame.record is None
-             else f'the module call {name(frame.record)}')
-    return TraceError(
-        f'internal: module call markers are not nested: inside {where}, '
-        f'found {found}. A JAX transformation inside the traced function '
-        'moved or removed a yax_enter/yax_exit marker; please report this '
-        'with the function that was traced')
+  def leave_out(self, record: CallRecord) -> None:
+    if record.failed:
+      why = (f'it ended in an exception ({record.failed}) that the traced '
+             'function caught')
+    else:
+      why = ('it started and ended in two different JAX traces (a method '
+             'entered in one transformation and left in another)')
+    self.left_out.setdefault(record, why)
+
+  def dissolve(self, stack: list) -> None:
+    """Leaves the innermost open call out of the tree: its body's
+    equations and module calls go to the enclosing body, and its variables
+    to the enclosing call's."""
+    frame = stack.pop()
+    parent = stack[-1]
+    parent.children.extend(frame.children)
+    for key, values in frame.reach.items():
+      parent.reach.setdefault(key, {}).update(values)
+    rec = frame.record
+    own = tree_unflatten(rec.var_tree, frame.var_inputs)
+    if isinstance(own, Mapping) and not isinstance(own, _nnx.VariableTree):
+      for col, values in own.items():
+        parent.reach.setdefault((col, *rec.path), {}).update(values)
+    self.leave_out(rec)
 
   def _module_call(self, frame: _Frame, dyn_outs) -> Mox:
     rec = frame.record
@@ -398,6 +452,9 @@ class _Builder:
     if isinstance(own, _nnx.VariableTree):  # NNX: its own variables only
       return list(frame.var_inputs), rec.var_tree, {}
     reach = self._reach_children(frame.children)
+    for key, values in frame.reach.items():
+      reach.setdefault(key, {}).update(
+          {k: v for k, v in values.items() if k not in reach[key]})
     for col, values in own.items():
       reach[(col, *rec.path)] = values
     n = len(rec.path)
