@@ -225,7 +225,9 @@ def test_mlp_tree_and_replay():
   # Variables first, keyed as nnx.state shows them, then the argument.
   assert [s.aval.shape for s in fc1.inputs] == [(8,), (4, 8), (3, 4)]
   root_call = module_calls(mox, 'MLP')[0]
-  assert root_call.path == () and root_call.num_vars == 0
+  # Every variable its body reads, both Linear layers' (one model of a
+  # module call, Linen and NNX alike).
+  assert root_call.path == () and root_call.num_vars == 4
   xml = io.StringIO()
   yax.dump_xml(mox, xml)
   assert '<input type="f32[4,8]" var="kernel" vartype="Param">' in xml.getvalue()

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import yax
-from yax import _markers, _trace
+from yax import _calls, _markers
 from tests.helpers import modules
 
 X = jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 7
@@ -96,12 +96,12 @@ def test_protocol_dunders_are_never_module_calls():
 
 
 def test_is_module_method():
-  assert _trace.is_module_method('__call__')
-  assert _trace.is_module_method('attend')
-  assert _trace.is_module_method('_split_heads')
+  assert _calls.is_module_method('__call__')
+  assert _calls.is_module_method('attend')
+  assert _calls.is_module_method('_split_heads')
   for name in ('setup', '__getattr__', '__setattr__', '__getitem__',
                '__len__', '__iter__', '__post_init__'):
-    assert not _trace.is_module_method(name), name
+    assert not _calls.is_module_method(name), name
 
 
 class Failing(nn.Module):
@@ -186,7 +186,7 @@ def test_caught_exception_nnx():
 def test_call_straddling_two_traces_is_left_out():
   """A call whose enter marker is bound in one trace and its exit in another
   (here: inside a ``jax.jit`` body) is no node, with a warning."""
-  record = _trace.CallRecord(
+  record = _calls.CallRecord(
       module_ty=Catching, method='__call__', params={'name': 'odd'},
       path=('odd',), var_tree=jax.tree_util.tree_structure({}),
       in_tree=jax.tree_util.tree_structure(((X,), {})), arg_statics={},

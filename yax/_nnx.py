@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax import tree_util as jtu
 
+from yax._calls import is_traced_value, marked_call, recording
+
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
 except ImportError:  # pragma: no cover - flax without nnx
@@ -60,29 +62,36 @@ def _is_variable(x) -> bool:
 class VariableTree(dict):
   """The variables of an NNX module call, keyed as ``nnx.state`` shows them.
 
-  A dict (nested dicts under it) whose treedef also carries each leaf's
-  Variable type (``Param``, ``BatchStat``, ``RngCount``...), in leaf order, so
-  ``Mox.var_tree`` tells the XML view what kind each variable input is.
+  A dict (nested dicts under it) whose treedef also carries, in leaf order,
+  each leaf's Variable type name (``kinds``: ``Param``, ``BatchStat``,
+  ``RngCount``...) and ``flags``: ``(is_param, own)``, where ``is_param``
+  holds for ``nnx.Param`` and its subclasses (``nnx.LoRAParam``, custom
+  parameter types) and ``own`` for a variable of the module itself rather
+  than of a submodule. So ``Mox.var_tree`` tells every view what kind each
+  variable input is.
   """
 
   kinds: tuple = ()
+  flags: tuple = ()
 
 
 def _vt_flatten_with_keys(tree: VariableTree):
   keys = sorted(tree)
   return ([(jtu.DictKey(k), tree[k]) for k in keys],
-          (tuple(keys), tuple(tree.kinds)))
+          (tuple(keys), tuple(tree.kinds), tuple(tree.flags)))
 
 
 def _vt_flatten(tree: VariableTree):
   keys = sorted(tree)
-  return [tree[k] for k in keys], (tuple(keys), tuple(tree.kinds))
+  return [tree[k] for k in keys], (tuple(keys), tuple(tree.kinds),
+                                   tuple(tree.flags))
 
 
 def _vt_unflatten(aux, children):
-  keys, kinds = aux
+  keys, kinds, flags = aux
   tree = VariableTree(zip(keys, children))
   tree.kinds = kinds
+  tree.flags = flags
   return tree
 
 
@@ -228,17 +237,28 @@ def _static_params(module, path) -> dict:
 
 
 class _Context:
-  """What one trace knows about the NNX modules it has seen."""
+  """What one trace knows about the NNX modules it has seen.
 
-  def __init__(self, roots):
-    self.roots = roots  # [(path prefix, module copy)]
+  Paths come from where modules sit in the traced arguments, never from
+  their type: a module given as an argument (or one of its submodules) has
+  its attribute path there; a module that ``nnx.merge`` builds inside the
+  traced function has the path of its variables in the ``nnx.State``
+  argument they come from (``sources``); a copy that an NNX transform makes
+  inside its body carries its original's path as a static attribute
+  (``_TAG``); any other module (captured by a closure, or built during the
+  call) gets a path of its own under ``<closure>``.
+  """
+
+  def __init__(self):
     self.paths: dict[int, tuple] = {}
-    self.owned: dict[int, list] = {}  # id(module) -> [(relpath, Variable)]
+    self.taken: set[tuple] = set()
+    self.subtrees: dict[int, list] = {}  # id(module) -> see ``subtree``
     self.params: dict[int, dict] = {}
     self.keep: list = []  # keeps ids valid for the trace's lifetime
     self.stack: list = []  # [(module, method name, path)]
-    for prefix, node in roots:
-      self.register(node, prefix)
+    # id(traced value) -> path of its Variable among the traced arguments
+    # (argument prefix, then the attribute path as ``nnx.state`` shows it).
+    self.sources: dict[int, tuple] = {}
 
   def register(self, root, prefix: tuple, tag: bool = False) -> None:
     """Gives every module under ``root`` not seen yet its first path.
@@ -249,67 +269,62 @@ class _Context:
     merge inside their bodies, so calls on those copies get the right path.
     Only modules this trace created are tagged, never the user's objects.
     """
-    items = list(nnx.iter_graph(root))
-    modules = {}
-    for path, node in items:
+    for path, node in nnx.iter_graph(root):
       if isinstance(node, nnx.Module) and id(node) not in self.paths:
-        modules[tuple(path)] = node
-        full = (*prefix, *_str_path(path))
-        self.paths[id(node)] = vars(node).get(_TAG, full)
-        self.owned[id(node)] = []
+        full = vars(node).get(_TAG, (*prefix, *_str_path(path)))
+        self.paths[id(node)] = full
+        self.taken.add(full)
         self.keep.append(node)
         if tag and _TAG not in vars(node):
           object.__setattr__(node, _TAG, full)
-    for path, node in items:
-      if not _is_variable(node):
-        continue
-      path = tuple(path)
-      for i in range(len(path) - 1, -1, -1):
-        owner = modules.get(path[:i])
-        if owner is not None:
-          self.owned[id(owner)].append((_str_path(path[i:]), node))
-          break
 
   def path_of(self, module) -> tuple:
     path = self.paths.get(id(module))
     if path is not None:
       return path
-    tagged = vars(module).get(_TAG)
-    if tagged is not None:
-      self.register(module, tagged)
-      return self.paths[id(module)]
-    # A module this trace has not seen: a copy that an NNX transform
-    # (nnx.scan, nnx.vmap, nnx.remat, nnx.jit) merged from its input, or one
-    # created during the call. Find the original by type and graph structure
-    # in the enclosing module (or the arguments), else name it by its class.
-    scopes = ([(self.stack[-1][2], self.stack[-1][0])] if self.stack
-              else list(self.roots))
-    try:
-      graphdef = nnx.graphdef(module)
-    except Exception:  # noqa: BLE001 - not splittable: match by type only
-      graphdef = None
-    found = None
-    for prefix, scope in scopes:
-      for rel, node in nnx.iter_graph(scope):
-        if type(node) is type(module) and node is not module:
-          same = graphdef is not None and _same_graphdef(node, graphdef)
-          if same or found is None:
-            found = (*prefix, *_str_path(rel))
-          if same:
-            break
-      if found is not None:
-        break
-    if found is None:
-      found = (*self.stack[-1][2], type(module).__name__) if self.stack else ()
-    self.register(module, found, tag=_created_by_trace(module))
+    path = vars(module).get(_TAG)
+    if path is None:
+      path = self._path_from_sources(module)
+    if path is None:  # reached through a closure, or built in the call
+      name = type(module).__name__
+      path, k = ('<closure>', name), 0
+      while path in self.taken:
+        k += 1
+        path = ('<closure>', f'{name}_{k}')
+    self.register(module, path, tag=_created_by_trace(module))
     return self.paths[id(module)]
 
+  def _path_from_sources(self, module) -> tuple | None:
+    for relpath, var, _ in self.subtree(module):
+      src = self.sources.get(id(_raw_value(var)))
+      n = len(relpath)
+      if src is not None and len(src) >= n and src[len(src) - n:] == relpath:
+        return src[:len(src) - n]
+    return None
+
+  def subtree(self, module) -> list:
+    """``[(relative path, Variable, own)]`` for every Variable reachable
+    from ``module`` (its own and its submodules'), each once, at its first
+    path as ``nnx.state(module)`` shows it; ``own`` is False for a
+    Variable that lives in a submodule."""
+    found = self.subtrees.get(id(module))
+    if found is None:
+      items = [(tuple(p), n) for p, n in nnx.iter_graph(module)]
+      modules = {p for p, n in items if isinstance(n, nnx.Module)}
+      found = [(_str_path(p), n,
+                not any(p[:i] in modules for i in range(1, len(p))))
+               for p, n in items if _is_variable(n)]
+      self.subtrees[id(module)] = found
+      self.keep.append(module)
+    return found
+
   def variables(self, module) -> tuple[list, Any]:
-    """(leaves, treedef) of the module's own variables, typed."""
-    owned = self.owned.get(id(module), [])
+    """(leaves, treedef) of every variable the module can read (its own
+    and its submodules'), typed; the tree builder keeps those its body
+    reads."""
     nested: dict = {}
-    kinds_at: dict[tuple, str] = {}
-    for relpath, var in owned:
+    meta_at: dict[tuple, tuple] = {}
+    for relpath, var, own in self.subtree(module):
       node = nested
       for key in relpath[:-1]:
         node = node.setdefault(key, {})
@@ -317,36 +332,34 @@ class _Context:
           break
       else:
         node[relpath[-1]] = _raw_value(var)
-        kinds_at[relpath] = type(var).__name__
-    tree = VariableTree(nested)
-    from yax._trace import is_traced_value  # _trace imports this module
-    flat = jtu.tree_flatten_with_path(tree)[0]
-    kinds, leaves = [], []
+        meta_at[relpath] = (type(var).__name__,
+                            isinstance(var, nnx.Param), own)
+    flat = jtu.tree_flatten_with_path(VariableTree(nested))[0]
+    leaves, metas = [], []
     for keypath, leaf in flat:
-      keys = tuple(str(_key(k)) for k in keypath)
-      kind = next((kinds_at[keys[:i]] for i in range(len(keys), 0, -1)
-                   if keys[:i] in kinds_at), '')
       if not is_traced_value(leaf):
         continue
+      keys = tuple(str(_key(k)) for k in keypath)
+      meta = next((meta_at[keys[:i]] for i in range(len(keys), 0, -1)
+                   if keys[:i] in meta_at), ('', False, True))
       leaves.append(leaf)
-      kinds.append(kind)
-    if len(leaves) != len(flat):  # drop leaves that are not arrays
-      tree = jtu.tree_map(lambda v: v if is_traced_value(v) else None, tree)
-    tree.kinds = tuple(kinds)
-    _, treedef = jtu.tree_flatten(tree)
-    return leaves, treedef
+      metas.append(meta)
+    return leaves, variable_treedef([(tuple(str(_key(k)) for k in kp), m)
+                                     for (kp, leaf), m in zip(
+                                         [f for f in flat
+                                          if is_traced_value(f[1])], metas,
+                                         strict=True)])
 
   def call(self, module, name, fn, args, kwargs):
     top = self.stack[-1] if self.stack else None
-    if not _recording() or (top is not None and top[0] is module
-                            and top[1] == name):
+    if not recording() or (top is not None and top[0] is module
+                           and top[1] == name):
       return fn(module, *args, **kwargs)  # not recording, or a super() call
     path = self.path_of(module)
     params = self.params.get(id(module))
     if params is None:
       params = self.params[id(module)] = _static_params(module, path)
     var_leaves, var_tree = self.variables(module)
-    from yax._trace import marked_call  # _trace imports this module
     self.stack.append((module, name, path))
     try:
       return marked_call(type(module), name, params, path, var_leaves,
@@ -359,10 +372,37 @@ class _Context:
 _TAG = '_yax_path'
 
 
-def _recording() -> bool:
-  """Whether a ``make_mox`` trace is active on this thread."""
-  from yax import _trace
-  return bool(_trace._active())
+def variable_treedef(entries) -> Any:
+  """The treedef of a ``VariableTree`` with one leaf per ``(relative path,
+  (kind, is_param, own))`` entry, in the order the tree flattens."""
+  nested: dict = {}
+  for relpath, _ in entries:
+    node = nested
+    for key in relpath[:-1]:
+      node = node.setdefault(key, {})
+    node[relpath[-1]] = 0
+  tree = VariableTree(nested)
+  by_path = dict(entries)
+  order = [tuple(str(_key(k)) for k in kp)
+           for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
+  tree.kinds = tuple(by_path[p][0] for p in order)
+  tree.flags = tuple(by_path[p][1:] for p in order)
+  return jtu.tree_structure(tree)
+
+
+def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
+  """An NNX call's variables narrowed to those its body reads."""
+  tree = jtu.tree_unflatten(var_tree, var_inputs)
+  flat = jtu.tree_flatten_with_path(tree)[0]
+  entries, leaves = [], []
+  for (keypath, sym), kind, flags in zip(flat, tree.kinds, tree.flags,
+                                         strict=True):
+    if sym in reads:
+      entries.append((tuple(str(_key(k)) for k in keypath), (kind, *flags)))
+      leaves.append(sym)
+  if not entries:
+    return [], jtu.tree_structure(VariableTree())
+  return leaves, variable_treedef(entries)
 
 
 def _created_by_trace(module) -> bool:
@@ -371,13 +411,6 @@ def _created_by_trace(module) -> bool:
   object captured by the function."""
   leaves = jtu.tree_leaves(nnx.state(module))
   return bool(leaves) and all(isinstance(x, jax.core.Tracer) for x in leaves)
-
-
-def _same_graphdef(node, graphdef) -> bool:
-  try:
-    return nnx.graphdef(node) == graphdef
-  except Exception:  # noqa: BLE001
-    return False
 
 
 def _key(k):
@@ -518,14 +551,6 @@ class TraceScope:
     self.has_nodes = split is not None
     tree = (args, kwargs) if split is None else split[0]
     self.leaves, self.in_tree = jtu.tree_flatten(tree)
-    if split is not None:
-      _, _, positions, treedef = split
-      # Path prefixes: one module argument is the root (its path is ());
-      # several are told apart by where they sit among the arguments.
-      placeholders = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
-      where = {i: kp for kp, i in jtu.tree_flatten_with_path(placeholders)[0]}
-      self.prefixes = [() if len(positions) == 1 else _argument_prefix(where[i])
-                       for i in positions]
     self._saved = None
     self._patch = None
 
@@ -535,7 +560,7 @@ class TraceScope:
     self._patch = _patched_classes()
     self._patch.__enter__()
     self._saved = getattr(_local, 'ctx', None)
-    _local.ctx = _Context([])
+    _local.ctx = _Context()
     return self
 
   def __exit__(self, *exc):
@@ -548,6 +573,16 @@ class TraceScope:
   def call(self, fn, args, kwargs):
     """Calls ``fn`` on copies of the argument graph nodes (merged from the
     traced state) and returns its result, with state updates if any."""
+    ctx = _local.ctx
+    prefixes = _model_prefixes(args, kwargs)
+    for prefix, container in prefixes:
+      state = container.state if isinstance(container, GraphArgument) \
+          else container
+      for keypath, leaf in jtu.tree_flatten_with_path(state)[0]:
+        keys = [_key(k) for k in keypath]
+        if keys and keys[-1] == 'value':  # the Variable's own value field
+          keys = keys[:-1]
+        ctx.sources.setdefault(id(leaf), (*prefix, *_str_path(keys)))
     if not self.has_nodes:
       return fn(*args, **kwargs)
     leaves, treedef = jtu.tree_flatten(
@@ -559,12 +594,11 @@ class TraceScope:
     state = nnx.State({g.index: g.state for g in graphs})
     copies = nnx.merge(graphdef, state)
     leaves = list(leaves)
-    for i, g in zip(positions, graphs):
+    for i, g in zip(positions, graphs, strict=True):
       leaves[i] = copies[g.index]
-    ctx = _local.ctx
-    for prefix, g in zip(self.prefixes, graphs):
-      ctx.roots.append((prefix, copies[g.index]))
-      ctx.register(copies[g.index], prefix, tag=True)
+    prefix_of = {id(c): p for p, c in prefixes}
+    for g in graphs:
+      ctx.register(copies[g.index], prefix_of[id(g)], tag=True)
     before = _flat_variables(state)
     before_leaves = {p: jtu.tree_leaves(v) for p, v in before.items()}
     a, k = jtu.tree_unflatten(treedef, leaves)
@@ -590,6 +624,19 @@ def _nested_state(flat: dict):
       node = node.setdefault(key, {})
     node[path[-1]] = var
   return nnx.State(nested)
+
+
+def _model_prefixes(args, kwargs) -> list:
+  """``[(path prefix, container)]`` for the arguments that hold models: NNX
+  graph nodes (as ``GraphArgument`` s) and ``nnx.State`` s. One such
+  argument is the root of its paths (prefix ``()``); several are told apart
+  by where they sit among the arguments (``0/enc``, ``1/enc``)."""
+  is_container = lambda x: isinstance(x, (GraphArgument, nnx.State))
+  found = [(kp, x) for kp, x in jtu.tree_flatten_with_path(
+      (args, kwargs), is_leaf=is_container)[0] if is_container(x)]
+  if len(found) == 1:
+    return [((), found[0][1])]
+  return [(_argument_prefix(kp), x) for kp, x in found]
 
 
 def _argument_prefix(keypath) -> tuple:
@@ -964,24 +1011,37 @@ def module_as_argument(fn, args):
 
 def variable_groups(mox) -> dict:
   """An NNX module call's variable inputs by collection, as the summary
-  shows them: ``params`` (``nnx.Param``), ``batch_stats`` (``BatchStat``),
-  other Variable types by their name."""
-  names = {'Param': 'params', 'BatchStat': 'batch_stats'}
+  shows them: ``params`` (``nnx.Param`` and its subclasses),
+  ``batch_stats`` (``BatchStat``), other Variable types by their name.
+  Every variable the call reads, its submodules' included."""
   groups: dict = {}
-  for sym, kind in zip(mox.var_inputs, var_kinds(mox) or ()):
-    groups.setdefault(names.get(kind, kind or 'variables'), []).append(sym)
+  for sym, (kind, is_param, _) in zip(mox.var_inputs, _metas(mox),
+                                      strict=True):
+    groups.setdefault(_group(kind, is_param), []).append(sym)
   return groups
 
 
+def _group(kind: str, is_param: bool) -> str:
+  if is_param:
+    return 'params'
+  return {'BatchStat': 'batch_stats'}.get(kind, kind or 'variables')
+
+
+def _metas(mox) -> list:
+  tree = jtu.tree_unflatten(mox.var_tree, [None] * mox.num_vars)
+  return [(k, *f) for k, f in zip(tree.kinds, tree.flags, strict=True)]
+
+
 def own_variables(mox) -> dict:
-  """``{collection: {path: symbol}}`` of an NNX module call's variables
-  (collections named as in :func:`variable_groups`, paths as ``nnx.state``
-  shows them: ``kernel``, ``rngs/count``)."""
-  names = {'Param': 'params', 'BatchStat': 'batch_stats'}
+  """``{collection: {path: symbol}}`` of an NNX module call's own variables
+  (not its submodules'; collections named as in :func:`variable_groups`,
+  paths as ``nnx.state`` shows them: ``kernel``, ``rngs/count``)."""
   tree = jtu.tree_unflatten(mox.var_tree, list(range(mox.num_vars)))
   paths = ['/'.join(str(_key(k)) for k in kp)
            for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
   out: dict = {}
-  for path, sym, kind in zip(paths, mox.var_inputs, var_kinds(mox) or ()):
-    out.setdefault(names.get(kind, kind or 'variables'), {})[path] = sym
+  for path, sym, (kind, is_param, own) in zip(
+      paths, mox.var_inputs, _metas(mox), strict=True):
+    if own:
+      out.setdefault(_group(kind, is_param), {})[path] = sym
   return out

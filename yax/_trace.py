@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -32,7 +31,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _lower, _markers, _nnx, _rules
+from yax import _calls, _lower, _markers, _nnx, _rules
+from yax._calls import CallRecord, is_traced_value, marked_call
 from yax._errors import TraceError, TraceWarning
 from yax._ir import Equation, Literal, Mox, Symbol, Var
 
@@ -51,42 +51,12 @@ def is_dynamic_arg(x) -> bool:
                         jax.core.Tracer, jax.ShapeDtypeStruct))
 
 
-def is_traced_value(x) -> bool:
-  """Inside a module call only arrays and tracers flow through markers;
-  Python scalars passed to a module are static (e.g. ``deterministic=True``)."""
-  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
-      isinstance(x, np.ndarray) and x.dtype == object)
-
-
 def _is_jax_output(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
                         bool, jax.core.Tracer))
 
 
 # ----------------------------------------------------------- call records
-
-@dataclasses.dataclass(eq=False)  # hashed by identity: a marker parameter
-class CallRecord:
-  """What the interceptor saw about one module method call.
-
-  The record itself is the ``call_id`` parameter of the call's markers, so a
-  Jaxpr that JAX serves from its cache (traced by an earlier ``make_mox``)
-  carries the descriptions of its module calls with it."""
-  module_ty: type
-  method: str
-  params: dict
-  path: tuple
-  var_tree: Any  # the module's own variables (see ``own_variables``)
-  in_tree: Any
-  arg_statics: dict  # leaf position -> static value
-  num_arg_leaves: int
-  out_tree: Any = None
-  out_statics: dict = dataclasses.field(default_factory=dict)
-  num_out_leaves: int = 0
-  # Set when the call ended in an exception (the model may catch it): the
-  # exit marker was never bound, so the builder leaves the call out.
-  failed: str | None = None
-
 
 # Field names per module class, computed once (``dataclasses.fields`` is
 # slow enough to show up when tracing models with hundreds of module calls).
@@ -104,26 +74,12 @@ def module_fields(module: nn.Module) -> dict:
   return {name: getattr(module, name, None) for name in names}
 
 
-class _Trace:
-  """One ``make_mox`` trace (its identity tells nested traces apart)."""
-
-
-_state = threading.local()
-
-
-def _active() -> list[_Trace]:
-  stack = getattr(_state, 'traces', None)
-  if stack is None:
-    stack = _state.traces = []
-  return stack
-
-
-def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
-  active = _active()
+def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
+  active = _calls.active()
   # A nested ``make_mox`` (called while ``fn`` of an outer one runs) installs
   # its own interceptor; only the innermost trace records, so the inner tree
   # is the same as when traced alone and the outer one sees no markers twice.
-  if not active or active[-1] is not trace or not is_module_method(
+  if not active or active[-1] is not trace or not _calls.is_module_method(
       context.method_name):
     return next_fun(*args, **kwargs)
   module = context.module
@@ -137,60 +93,6 @@ def _interceptor(trace: _Trace, next_fun, args, kwargs, context):
   return marked_call(type(module), context.method_name, module_fields(module),
                      tuple(module.path), var_leaves, var_tree, next_fun, args,
                      kwargs)
-
-
-def is_module_method(name: str) -> bool:
-  """Whether a call of method ``name`` is a module call: ``__call__`` and
-  ordinary methods are; ``setup`` and Python protocol methods
-  (``__getattr__``, ``__setattr__``, ``__getitem__``, ...: every dunder but
-  ``__call__``) never are, whatever the model's class defines."""
-  if name == 'setup':
-    return False
-  return name == '__call__' or not (name.startswith('__')
-                                    and name.endswith('__'))
-
-
-def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
-                args, kwargs, *, is_leaf=None):
-  """Runs ``call(*args, **kwargs)`` between the boundary markers and
-  returns its result. The call's record is the markers' ``call_id``
-  parameter. Used for Linen calls (the interceptor above) and NNX calls
-  (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
-  leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
-  dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
-  record = CallRecord(
-      module_ty=module_ty, method=method, params=params, path=path,
-      var_tree=var_tree, in_tree=in_tree,
-      arg_statics={i: x for i, x in enumerate(leaves)
-                   if not is_traced_value(x)},
-      num_arg_leaves=len(leaves))
-  marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
-      num_vars=len(var_leaves))
-  leaves = list(leaves)
-  for i, x in zip(dyn, marked):
-    leaves[i] = x
-  args, kwargs = tree_unflatten(in_tree, leaves)
-
-  try:
-    out = call(*args, **kwargs)
-  except BaseException as e:
-    # The model may catch this (``try: y = self.inner(x) except ...``): the
-    # call has no exit, and the tree builder leaves it out with a warning.
-    record.failed = type(e).__name__
-    raise
-
-  out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
-  out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
-  record.out_tree = out_tree
-  record.num_out_leaves = len(out_leaves)
-  record.out_statics = {i: x for i, x in enumerate(out_leaves)
-                        if not is_traced_value(x)}
-  marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
-                                call_id=record)
-  for i, x in zip(out_dyn, marked):
-    out_leaves[i] = x
-  return tree_unflatten(out_tree, out_leaves)
 
 
 # Every trace runs with this JAX user context set. JAX keys its tracing,
@@ -258,8 +160,8 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     dyn = [i for i, x in enumerate(leaves) if is_dynamic_arg(x)]
     out_info = {}
 
-    this = _Trace()
-    active = _active()
+    this = _calls.Trace()
+    active = _calls.active()
 
     def flat_fn(*dyn_vals):
       full = list(leaves)
@@ -449,8 +351,13 @@ class _Builder:
     inside the call, as for a tied head, is not a variable of the call)."""
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, _nnx.VariableTree):  # NNX: its own variables only
-      return list(frame.var_inputs), rec.var_tree, {}
+    if isinstance(own, _nnx.VariableTree):
+      # NNX: the marker carried every variable the module can reach; the
+      # call's are those its body reads (directly, or through the calls
+      # and equations in it).
+      reads = {s for child in frame.children for s in child.inputs}
+      leaves, var_tree = _nnx.read_only(rec.var_tree, frame.var_inputs, reads)
+      return leaves, var_tree, {}
     reach = self._reach_children(frame.children)
     for key, values in frame.reach.items():
       reach.setdefault(key, {}).update(

@@ -1,0 +1,126 @@
+"""A module call between boundary markers: shared by the Linen and NNX
+frontends (``_trace`` and ``_nnx``), so neither imports the other.
+
+:func:`marked_call` runs one method call between ``yax_enter`` and
+``yax_exit`` (see ``_markers``) and describes it in a :class:`CallRecord`,
+which rides in the markers' ``call_id`` parameter. The tree builder of
+``_trace`` turns each marker pair into a ``module_call`` node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from yax import _markers
+
+tree_flatten = jax.tree_util.tree_flatten
+tree_unflatten = jax.tree_util.tree_unflatten
+
+
+def is_traced_value(x) -> bool:
+  """Inside a module call only arrays and tracers flow through markers;
+  Python scalars passed to a module are static (e.g. ``deterministic=True``)."""
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
+      isinstance(x, np.ndarray) and x.dtype == object)
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: a marker parameter
+class CallRecord:
+  """What the interceptor saw about one module method call.
+
+  The record itself is the ``call_id`` parameter of the call's markers, so a
+  Jaxpr that JAX serves from its cache (traced by an earlier ``make_mox``)
+  carries the descriptions of its module calls with it."""
+  module_ty: type
+  method: str
+  params: dict
+  path: tuple
+  var_tree: Any  # the module's own variables (see ``own_variables``)
+  in_tree: Any
+  arg_statics: dict  # leaf position -> static value
+  num_arg_leaves: int
+  out_tree: Any = None
+  out_statics: dict = dataclasses.field(default_factory=dict)
+  num_out_leaves: int = 0
+  # Set when the call ended in an exception (the model may catch it): the
+  # exit marker was never bound, so the builder leaves the call out.
+  failed: str | None = None
+
+
+class Trace:
+  """One ``make_mox`` trace (its identity tells nested traces apart)."""
+
+
+_state = threading.local()
+
+
+def active() -> list[Trace]:
+  """The ``make_mox`` traces running on this thread, innermost last."""
+  stack = getattr(_state, 'traces', None)
+  if stack is None:
+    stack = _state.traces = []
+  return stack
+
+
+def recording() -> bool:
+  """Whether a ``make_mox`` trace is active on this thread."""
+  return bool(active())
+
+
+def is_module_method(name: str) -> bool:
+  """Whether a call of method ``name`` is a module call: ``__call__`` and
+  ordinary methods are; ``setup`` and Python protocol methods
+  (``__getattr__``, ``__setattr__``, ``__getitem__``, ...: every dunder but
+  ``__call__``) never are, whatever the model's class defines."""
+  if name == 'setup':
+    return False
+  return name == '__call__' or not (name.startswith('__')
+                                    and name.endswith('__'))
+
+
+def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
+                args, kwargs, *, is_leaf=None):
+  """Runs ``call(*args, **kwargs)`` between the boundary markers and
+  returns its result. The call's record is the markers' ``call_id``
+  parameter. Used for Linen calls (the interceptor above) and NNX calls
+  (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
+  leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
+  dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
+  record = CallRecord(
+      module_ty=module_ty, method=method, params=params, path=path,
+      var_tree=var_tree, in_tree=in_tree,
+      arg_statics={i: x for i, x in enumerate(leaves)
+                   if not is_traced_value(x)},
+      num_arg_leaves=len(leaves))
+  marked = _markers.enter_p.bind(
+      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
+      num_vars=len(var_leaves))
+  leaves = list(leaves)
+  for i, x in zip(dyn, marked):
+    leaves[i] = x
+  args, kwargs = tree_unflatten(in_tree, leaves)
+
+  try:
+    out = call(*args, **kwargs)
+  except BaseException as e:
+    # The model may catch this (``try: y = self.inner(x) except ...``): the
+    # call has no exit, and the tree builder leaves it out with a warning.
+    record.failed = type(e).__name__
+    raise
+
+  out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
+  out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
+  record.out_tree = out_tree
+  record.num_out_leaves = len(out_leaves)
+  record.out_statics = {i: x for i, x in enumerate(out_leaves)
+                        if not is_traced_value(x)}
+  marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
+                                call_id=record)
+  for i, x in zip(out_dyn, marked):
+    out_leaves[i] = x
+  return tree_unflatten(out_tree, out_leaves)
