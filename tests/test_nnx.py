@@ -460,8 +460,10 @@ def test_lora_selection_and_module_form_errors():
   assert res.paths == [('fc2',)]
   with pytest.raises(yax.SubstitutionError, match='matched no module call'):
     yax.lora(mox, state, '//module_call[@type="Conv"]')
-  with pytest.raises(yax.SubstitutionError, match='already has an adapter'):
+  with pytest.raises(yax.SubstitutionError, match='a LoRA adapter already'):
     yax.lora(res.mox, res.params, '//module_call[@type="LoRA"]')
+  with pytest.raises(yax.SubstitutionError, match='already carries an adapter'):
+    yax.lora(res.mox, res.params, '//module_call[@type="Linear"]')
   module_mox = yax.make_mox(lambda m, x: m(x))(model, X4)
   with pytest.raises(yax.SubstitutionError, match='nnx.split'):
     yax.lora(module_mox, nnx.state(model), '//module_call[@type="Linear"]')

@@ -98,6 +98,8 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
   here = (*_done, key)
   if isinstance(tree, (tuple, list)) and not hasattr(tree, '_fields'):
     items = list(tree)
+    if isinstance(key, str) and key.isdigit():  # a module path's step
+      key = int(key)
     if not isinstance(key, int) or not 0 <= key <= len(items):
       raise SubstitutionError(
           f'cannot set {_keystr(here)} in the argument tree: '
@@ -110,6 +112,8 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
   if tree is None:
     tree = {}
   if isinstance(tree, Mapping):
+    key = same_key(tree, key)
+    here = (*_done, key)
     child = tree[key] if key in tree else (
         rebuild(tree, {}) if rest else None)
     items = dict(tree.items())
@@ -121,9 +125,19 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
       'expected a Mapping (dict, FrozenDict ...), tuple or list')
 
 
+def same_key(tree: Mapping, key):
+  """``key``, or the key of ``tree`` that prints as ``key``: module paths
+  are strings, while an NNX state keys list items by int (``layers/0``)."""
+  if key in tree or not isinstance(key, str):
+    return key
+  return next((k for k in tree.keys() if str(k) == key), key)
+
+
 def get_in(tree, keys: Sequence, *, what: str = 'params') -> Any:
   """``tree[k0][k1]...``; a missing key raises ``SubstitutionError``."""
   for i, key in enumerate(keys):
+    if isinstance(tree, Mapping):
+      key = same_key(tree, key)
     if not isinstance(tree, Mapping) or key not in tree:
       found = (sorted(map(str, tree.keys())) if isinstance(tree, Mapping)
                else type(tree).__name__)

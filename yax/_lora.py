@@ -51,9 +51,11 @@ from jax import tree_util as jtu
 from yax import _rules
 from yax._containers import get_in, set_in, without
 from yax._errors import SubstitutionError
-from yax._ir import Equation, Literal, Mox, Symbol, Var
-from yax._sub import (Selection, _dyn, _key_name, _rel_keys, collections_of,
-                      describe, select, substitute)
+from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
+from yax import _nnx
+from yax._sub import (NNX_GROUP, Selection, _dyn, _rel_keys, collections_of,
+                      describe, root_keypaths, select, substitute, var_keys,
+                      var_kind)
 from yax._trace import make_mox
 
 
@@ -98,10 +100,18 @@ class _Layout:
 
 
 def _kernel(node: Mox) -> Symbol | None:
-  for keys, sym in zip(_rel_keys(node), node.var_inputs):
-    if keys == ('params', 'kernel'):
+  """The module's own parameter ``kernel`` (Linen ``params/kernel``, NNX
+  ``kernel`` of an ``nnx.Param`` type)."""
+  for i, (keys, sym) in enumerate(zip(var_keys(node), node.var_inputs,
+                                      strict=True)):
+    if keys[1:] == ('kernel',) and var_kind(node, i)[1]:
       return sym
   return None
+
+
+def _own_param_names(node: Mox) -> set:
+  return {keys[-1] for i, keys in enumerate(var_keys(node))
+          if len(keys) == 2 and var_kind(node, i)[1]}
 
 
 def _path_str(node: Mox) -> str:
@@ -218,10 +228,22 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
   out = wired(adapter.outputs[0])
   var_dict = (jtu.tree_unflatten(node.var_tree, node.var_inputs)
               if node.num_vars else {})
-  var_dict = set_in(var_dict, ('params', 'lora_a'), a)
-  var_dict = set_in(var_dict, ('params', 'lora_b'), b)
-  var_inputs, var_tree = jtu.tree_flatten(
-      var_dict, is_leaf=lambda s: isinstance(s, Symbol))
+  if isinstance(var_dict, _nnx.VariableTree):  # NNX: typed nnx.LoRAParam s
+    entries = [(keys[1:], (kind, *flags)) for keys, kind, flags in zip(
+        var_keys(node), var_dict.kinds, var_dict.flags, strict=True)]
+    entries += [(('lora_a',), ('LoRAParam', True, True)),
+                (('lora_b',), ('LoRAParam', True, True))]
+    var_tree = _nnx.variable_treedef(entries)
+    by_rel = {rel: sym for (rel, _), sym in zip(
+        entries, [*node.var_inputs, a, b], strict=True)}
+    var_inputs = [by_rel[tuple(str(k.key) for k in kp)] for kp, _ in
+                  jtu.tree_flatten_with_path(jtu.tree_unflatten(
+                      var_tree, [0] * len(entries)))[0]]
+  else:
+    var_dict = set_in(var_dict, ('params', 'lora_a'), a)
+    var_dict = set_in(var_dict, ('params', 'lora_b'), b)
+    var_inputs, var_tree = jtu.tree_flatten(
+        var_dict, is_leaf=lambda s: isinstance(s, Symbol))
   outputs = [out if s is y else s for s in node.outputs]
   return Mox(var_inputs + list(node.arg_inputs), outputs,
              {'name': node.name, 'rank': rank, 'alpha': alpha,
@@ -232,13 +254,6 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
 
 
 # ------------------------------------------------- where a kernel comes from
-
-def _root_keypaths(root: Mox) -> dict:
-  """Root input symbol -> its key path in ``(args, kwargs)``."""
-  placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
-  return {root.inputs[i]: tuple(_key_name(k) for k in keypath)
-          for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]}
-
 
 def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
   """(root key path of the kernel, None) or (None, why it has none)."""
@@ -261,6 +276,18 @@ def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
   if any(sym is c for c in chain[0].constvars):
     return None, 'a constant captured by the trace'
   return None, 'computed in the model'
+
+
+def _kernel_owners(mox: Mox) -> dict:
+  """Parameter symbol -> paths of the module calls that hold it as their
+  own parameter (more than one path: weights tied across modules)."""
+  owners: dict = {}
+  for node in iter_nodes(mox):
+    if isinstance(node, Mox) and not node.is_ephemeral:
+      for keys, sym in zip(var_keys(node), node.var_inputs, strict=True):
+        if len(keys) == 2:
+          owners.setdefault(sym, set()).add(node.path)
+  return owners
 
 
 def _xpath_string(text: str) -> str:
@@ -358,7 +385,10 @@ def _params_argument(mox: Mox, prefix: tuple, params):
         f'  given:    {jtu.tree_structure(params)}')
 
 
-def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
+_DEFAULT_SELECTION = '//module_call[@type="Dense"]'
+
+
+def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
          rank: int = 4, alpha: float = 1.0, key=None) -> LoraResult:
   """Wraps every selected linear module call in a LoRA adapter.
 
@@ -393,31 +423,46 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'lora expects a Mox, found {type(mox).__name__}')
   rank, alpha, key = _check_rank(rank), _check_alpha(alpha), _check_key(key)
-  from yax import _nnx
-  if _nnx.is_nnx_tree(mox):  # NNX: adapters go into the traced nnx.State
-    return _nnx.lora(mox, params, selection, rank=rank, alpha=alpha, key=key)
+  collections = collections_of(mox)
+  group = NNX_GROUP if NNX_GROUP in collections else 'params'
+  if group == NNX_GROUP:
+    if _nnx.holds_graph_argument(mox):
+      raise SubstitutionError(
+          'lora on an NNX tree needs the split form, where the parameters are '
+          'an argument: graphdef, state = nnx.split(model); mox = '
+          'yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x); '
+          'res = yax.lora(mox, state, ...)')
+    if selection == _DEFAULT_SELECTION:
+      selection = '//module_call[@type="Linear"]'
   chosen = select(selection, mox)
   for node in chosen.targets:
     if not isinstance(node, Mox) or node.is_ephemeral:
       raise SubstitutionError(
           f'lora selects module calls, but {chosen.description} matched '
           f'{describe(node)}')
-  prefix = collections_of(mox).get('params')
+  prefix = collections.get(group)
+  if prefix is not None and len(prefix) < 2:
+    raise SubstitutionError(
+        'lora needs the parameters in one argument of the traced function; '
+        'its models sit in several arguments (module paths start with the '
+        'argument position). Trace a function that takes one params tree '
+        '(or one nnx.State) and pass that')
   if prefix is None:
     raise SubstitutionError(
         "lora found no 'params' collection among the traced arguments; trace "
         "a function that takes the parameters as an argument, e.g. "
         "make_mox(model.apply)(variables, x) or make_mox(model)(x, params=p)")
   _params_argument(mox, prefix, params)
-  keypaths = _root_keypaths(mox)
+  keypaths = root_keypaths(mox)
   adapter_places = {kp for kp in keypaths.values()
                     if kp and kp[-1] in _ADAPTER_NAMES}
+  owners = _kernel_owners(mox)
   problems, layouts = [], {}
   for node in chosen.targets:
     ancestors = chosen.ancestors[id(node)]
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
                     and a.module_ty is LoRA), None)
-    own = {k[-1] for k in _rel_keys(node) if k[0] == 'params'}
+    own = _own_param_names(node)
     if node.module_ty is LoRA:
       problems.append((node, 'it is a LoRA adapter already', False))
       continue
@@ -435,9 +480,16 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
       raise SubstitutionError(
           f'{layout}\n' + _hint([(node, layout, False)], selection))
     kernel = _kernel(node)
+    others = sorted('/'.join(p) for p in owners.get(kernel, ()) - {node.path})
+    if others:
+      problems.append((
+          node, f'its kernel {kernel.type_str} is tied to the module(s) at '
+          f'{", ".join(others)}: an adapter merged into it would change '
+          'them too', False))
+      continue
     keypath, why = _kernel_source(node, ancestors, keypaths)
     place = (*prefix, *node.path, 'kernel')
-    if keypath != place:
+    if keypath is None or tuple(map(str, keypath)) != tuple(map(str, place)):
       found = (f'the traced argument {_arg_str(keypath)}' if why is None
                else why)
       problems.append((
@@ -459,16 +511,16 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
     return _lora_template(node, layouts[id(node)], rank, alpha)
 
   done = substitute(chosen, make, mox)
-  if done.collections.get('params') != prefix:
+  if done.collections.get(group) != prefix:
     raise SubstitutionError(
         f"internal: the params collection moved from {_arg_str(prefix)} to "
-        f"{_arg_str(done.collections.get('params'))} during the rewrite")
+        f"{_arg_str(done.collections.get(group))} during the rewrite")
 
   inside = tuple(prefix[2:])  # keys of the collection inside `params`
   adapted = {tuple(node.path): layouts[id(node)] for node in chosen.targets}
   new_params, mask = params, jtu.tree_map(lambda _: False, params)
   for loc, var in sorted(done.added.items()):
-    if (loc[0] != 'params' or loc[-1] not in _ADAPTER_NAMES
+    if (loc[0] != group or loc[-1] not in _ADAPTER_NAMES
         or tuple(loc[1:-1]) not in adapted):
       raise SubstitutionError(
           f"internal: lora added a variable at {'/'.join(loc)}, which is not "
@@ -480,8 +532,12 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
                / jnp.sqrt(jnp.asarray(fan_in, var.aval.dtype)))
     else:
       value = jnp.zeros(var.aval.shape, var.aval.dtype)
+    flag = True
+    if group == NNX_GROUP:  # adapters are nnx.LoRAParam s in the state
+      value = _nnx.variable_holding('LoRAParam', value)
+      flag = _nnx.variable_holding('LoRAParam', True)
     new_params = set_in(new_params, (*inside, *loc[1:]), value)
-    mask = set_in(mask, (*inside, *loc[1:]), True)
+    mask = set_in(mask, (*inside, *loc[1:]), flag)
   scale = alpha / rank
   paths = sorted(adapted)
 
@@ -493,9 +549,9 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
     for module_path in paths:
       keys = (*inside, *module_path)
       module = get_in(out, keys)
-      kernel = get_in(out, (*keys, 'kernel'))
-      a = get_in(out, (*keys, 'lora_a'))
-      b = get_in(out, (*keys, 'lora_b'))
+      boxed = get_in(out, (*keys, 'kernel'))
+      kernel, a, b = (_unboxed(x) for x in (
+          boxed, get_in(out, (*keys, 'lora_a')), get_in(out, (*keys, 'lora_b'))))
       delta = jnp.matmul(a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
         if np.size(delta) != np.size(kernel):
@@ -504,12 +560,26 @@ def lora(mox: Mox, params, selection='//module_call[@type="Dense"]', *,
               f'lora_a {tuple(a.shape)} @ lora_b {tuple(b.shape)} does not '
               f'fit the kernel {tuple(kernel.shape)}')
         delta = delta.reshape(kernel.shape)
-      merged = (kernel + scale * delta).astype(kernel.dtype)
+      merged = _boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
       out = set_in(out, keys, set_in(without(module, _ADAPTER_NAMES),
                                      ('kernel',), merged))
     return out
 
   return LoraResult(done.mox, new_params, mask, merge, paths)
+
+
+def _unboxed(x):
+  """The array in a params leaf (an NNX Variable holds one)."""
+  leaves = jtu.tree_leaves(x)
+  return leaves[0] if len(leaves) == 1 and leaves[0] is not x else x
+
+
+def _boxed_like(like, value):
+  """``value`` in the container ``like`` came in (an NNX Variable keeps its
+  type and metadata, sharding included)."""
+  if _unboxed(like) is like:
+    return value
+  return jtu.tree_unflatten(jtu.tree_structure(like), [value])
 
 
 def _arg_str(keypath) -> str:

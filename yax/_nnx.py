@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax import tree_util as jtu
 
+from yax import _containers
 from yax._calls import is_traced_value, marked_call, recording
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -390,6 +391,41 @@ def variable_treedef(entries) -> Any:
   return jtu.tree_structure(tree)
 
 
+def variable_type(kind: str) -> type:
+  """The ``nnx.Variable`` subclass named ``kind`` (``Param``,
+  ``LoRAParam``...); ``nnx.Param`` for a name NNX does not define."""
+  cls = getattr(nnx, kind, None)
+  if isinstance(cls, type) and issubclass(cls, nnx.Variable):
+    return cls
+  return nnx.Param
+
+
+def is_param_kind(kind: str) -> bool:
+  return issubclass(variable_type(kind), nnx.Param)
+
+
+def variable_holding(kind: str, value, like=None):
+  """A Variable of type ``kind`` holding ``value`` (a symbol or an array),
+  built without running an initializer; with the metadata of ``like`` (a
+  Variable) when given."""
+  cls = variable_type(kind)
+  if like is not None:
+    proto = like
+    try:
+      proto = cls(np.zeros((), np.float32), **_metadata(like))
+    except Exception:  # noqa: BLE001 - metadata this type does not take
+      proto = cls(np.zeros((), np.float32))
+  else:
+    proto = cls(np.zeros((), np.float32))
+  return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
+
+
+def _metadata(var) -> dict:
+  get = getattr(var, 'get_metadata', None)
+  meta = dict(get()) if callable(get) else {}
+  return {k: v for k, v in meta.items() if k not in ('value',)}
+
+
 def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   """An NNX call's variables narrowed to those its body reads."""
   tree = jtu.tree_unflatten(var_tree, var_inputs)
@@ -485,6 +521,17 @@ if nnx is not None:
                   (jtu.GetAttrKey('updates'), r.updates)], None),
       lambda _, ch: NnxResult(*ch),
       lambda r: ([r.output, r.updates], None))
+
+
+def _state_from_items(like, items: dict):
+  """An ``nnx.State`` holding ``items``, stored as ``nnx.split`` stores it:
+  inner levels are plain dicts (a ``state[k]`` view is a State again)."""
+  return nnx.State({k: dict(v.raw_mapping) if isinstance(v, nnx.State) else v
+                    for k, v in items.items()})
+
+
+if nnx is not None:
+  _containers.register_mapping(nnx.State, _state_from_items)
 
 
 def _split_arguments(args, kwargs):
@@ -645,351 +692,17 @@ def _argument_prefix(keypath) -> tuple:
   return _str_path(keys[1:])
 
 
-# ---------------------------------------------------------------- LoRA
+# ------------------------------------------------------------ rewrites
 
-def is_nnx_tree(mox) -> bool:
-  """True for a tree traced from NNX modules (either form)."""
-  from yax._ir import Mox, iter_nodes
-  if mox.in_tree is not None and _has_graph_argument(mox):
-    return True
-  for node in iter_nodes(mox):
-    if isinstance(node, Mox) and not node.is_ephemeral and node.num_vars:
-      return var_kinds(node) is not None
-  return False
-
-
-def _has_graph_argument(mox) -> bool:
+def holds_graph_argument(mox) -> bool:
+  """True for a tree traced with an NNX module (not its state) among the
+  arguments: the module form, whose variables rewrites cannot add to."""
   try:
     tree = jtu.tree_unflatten(mox.in_tree, [None] * len(mox.inputs))
   except Exception:  # noqa: BLE001
     return False
   return any(isinstance(x, GraphArgument) for x in jtu.tree_leaves(
       tree, is_leaf=lambda x: isinstance(x, GraphArgument)))
-
-
-def _rename_output(node, old, new):
-  """A copy of module call ``node`` whose body defines ``new`` instead of
-  ``old`` (and returns it)."""
-  from yax._ir import Mox
-  sub = lambda syms: [new if s is old else s for s in syms]
-
-  def copy(n):
-    if isinstance(n, Mox):
-      return n.replace(inputs=sub(n.inputs), outputs=sub(n.outputs),
-                       children=[copy(c) for c in n.children])
-    return n.replace(inputs=sub(n.inputs), outputs=sub(n.outputs))
-  return copy(node)
-
-
-@functools.lru_cache(maxsize=64)
-def _adapter(x_shape, x_dtype, y_shape, y_dtype, d_in, d_out, rank, dtype,
-             scale):
-  from yax._trace import make_mox
-
-  def adapter(y, x, a, b):
-    return y + (scale * ((x.astype(dtype) @ a) @ b)).astype(y.dtype)
-  spec = jax.ShapeDtypeStruct
-  return make_mox(adapter)(spec(y_shape, y_dtype), spec(x_shape, x_dtype),
-                           spec((d_in, rank), dtype), spec((rank, d_out), dtype))
-
-
-def _lora_node(node, rank, alpha):
-  """(LoRA module call wrapping ``node``, lora_a Var, lora_b Var)."""
-  from yax._errors import SubstitutionError
-  from yax._ir import Literal, Mox, Var
-  from yax._lora import LoRA
-  where = f"'{'/'.join(node.path) or '<root>'}'"
-  tree = jtu.tree_unflatten(node.var_tree, node.var_inputs)
-  kernel = tree.get('kernel') if isinstance(tree, dict) else None
-  if kernel is None or kernel.aval is None or kernel.aval.ndim != 2:
-    found = ', '.join(f'{k}: {v.type_str}' for k, v in (
-        tree.items() if isinstance(tree, dict) else ()) if hasattr(v, 'aval'))
-    raise SubstitutionError(
-        f'lora expects Linear-like module calls (a 2-D kernel [in, out]); the '
-        f'{node.type_name or "ephemeral"} call at path {where} has variables '
-        f'[{found or "none"}]')
-  if 'lora_a' in tree:
-    raise SubstitutionError(f'lora: the module call at path {where} already '
-                            'has an adapter')
-  xs = [s for s in node.arg_inputs if not isinstance(s, Literal)]
-  ys = [s for s in node.outputs if not isinstance(s, Literal)]
-  d_in, d_out = kernel.aval.shape
-  if (len(xs) != 1 or len(ys) != 1 or xs[0].aval.shape[-1:] != (d_in,)
-      or ys[0].aval.shape[-1:] != (d_out,)):
-    raise SubstitutionError(
-        f'lora expects a module call with one input [..., {d_in}] and one '
-        f'output [..., {d_out}]; the call at path {where} takes '
-        f'({", ".join(s.type_str for s in xs)}) and returns '
-        f'({", ".join(s.type_str for s in ys)})')
-  x, y = xs[0], ys[0]
-  dtype = kernel.aval.dtype
-  adapter = _adapter(tuple(x.aval.shape), x.aval.dtype, tuple(y.aval.shape),
-                     y.aval.dtype, d_in, d_out, rank, dtype, alpha / rank)
-  a = Var(jax.core.ShapedArray((d_in, rank), dtype))
-  b = Var(jax.core.ShapedArray((rank, d_out), dtype))
-  inner_y = Var(y.aval)
-  inner = _rename_output(node, y, inner_y)
-  y_in, x_in, a_in, b_in = adapter.inputs
-  wiring = {y_in: inner_y, x_in: x, a_in: a, b_in: b,
-            adapter.outputs[0]: y}
-  children = [inner]
-  for eqn in adapter.children:
-    outs = [wiring.setdefault(s, Var(s.aval)) for s in eqn.outputs]
-    children.append(eqn.replace(inputs=[wiring.get(s, s) for s in eqn.inputs],
-                                outputs=outs))
-  var_dict = VariableTree({**tree, 'lora_a': a, 'lora_b': b})
-  kinds = dict(zip(sorted(tree), var_kinds(node) or ()))  # flat trees only
-  var_dict.kinds = tuple(kinds.get(k, 'Param') for k in sorted(var_dict))
-  var_inputs, var_tree = jtu.tree_flatten(
-      var_dict, is_leaf=lambda s: isinstance(s, (Var, Literal)))
-  lora_node = Mox(var_inputs + list(node.arg_inputs), list(node.outputs),
-                  {'name': node.name, 'rank': rank, 'alpha': alpha,
-                   'base': node.type_name},
-                  children=children, module_ty=LoRA, entrypoint='__call__',
-                  path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
-                  var_tree=var_tree)
-  return lora_node, a, b
-
-
-def _state_key(mapping, name: str):
-  for k in mapping.keys():
-    if str(k) == name:
-      return k
-  return None
-
-
-def lora(mox, params, selection, *, rank: int, alpha: float, key):
-  """``yax.lora`` for trees traced from NNX modules (see ``yax.lora``).
-
-  ``params`` is the ``nnx.State`` the traced function took (the split form,
-  ``make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)``). Returns a
-  ``LoraResult`` whose ``params`` is that state with ``lora_a``/``lora_b``
-  ``nnx.Param`` s next to each adapted kernel.
-  """
-  from yax._errors import SubstitutionError
-  from yax._ir import Mox, iter_nodes
-  from yax._lora import LoraResult
-  from yax._sub import resolve_targets
-  if _has_graph_argument(mox):
-    raise SubstitutionError(
-        'lora on an NNX tree needs the split form, where the parameters are '
-        'an argument: graphdef, state = nnx.split(model); mox = '
-        'yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x); '
-        'res = yax.lora(mox, state, ...)')
-  if not isinstance(params, nnx.State):
-    raise SubstitutionError(
-        f'lora on an NNX tree expects the traced nnx.State as params, found '
-        f'{type(params).__name__}')
-  if selection == '//module_call[@type="Dense"]':  # yax.lora's default
-    selection = '//module_call[@type="Linear"]'
-  targets = list(resolve_targets(selection, mox))
-  if not targets:
-    raise SubstitutionError(f'lora: {selection!r} matched no module call')
-  # Where the state sits among the root arguments.
-  root_args = jtu.tree_unflatten(mox.in_tree, mox.inputs)
-  position = None
-  for which, group in enumerate(root_args):
-    items = enumerate(group) if which == 0 else group.items()
-    for name, arg in items:
-      if isinstance(arg, nnx.State) and (
-          jtu.tree_structure(arg) == jtu.tree_structure(params)):
-        position = (which, name)
-        break
-    if position is not None:
-      break
-  if position is None:
-    raise SubstitutionError(
-        'lora: `params` must be the nnx.State the traced function took as an '
-        f'argument; none of the traced arguments has its structure '
-        f'({jtu.tree_structure(params)})')
-  # Targets must be module calls of this tree, outside equation bodies.
-  top_level, parents = set(), {}
-  stack = [mox]
-  while stack:
-    node = stack.pop()
-    if isinstance(node, Mox):
-      for child in node.children:
-        parents[id(child)] = node
-        if isinstance(child, Mox):
-          top_level.add(id(child))
-          stack.append(child)
-  all_ids = {id(n) for n in iter_nodes(mox)}
-  for node in targets:
-    if not isinstance(node, Mox) or node.is_ephemeral or id(node) not in all_ids:
-      raise SubstitutionError(
-          f'lora selects module calls of this tree, but {selection!r} '
-          f'matched {node!r}')
-    if id(node) not in top_level:
-      raise SubstitutionError(
-          f"lora on NNX trees adapts module calls outside lifted transforms; "
-          f"the call at path '{'/'.join(node.path)}' is inside the body of an "
-          "equation (nnx.scan, nnx.jit, nnx.remat ...)")
-  paths = {}
-  for node in targets:
-    for other in targets:
-      if other is not node and _is_ancestor(other, node, parents):
-        raise SubstitutionError(
-            f"lora: the selection matched the call at path "
-            f"'{'/'.join(node.path)}' and its ancestor at "
-            f"'{'/'.join(other.path)}'")
-  new_nodes, new_vars = {}, {}
-  for node in targets:
-    lora_node, a, b = _lora_node(node, rank, alpha)
-    new_nodes[id(node)] = lora_node
-    if node.path in paths:  # a module called twice: one adapter
-      a0, b0 = paths[node.path]
-      lora_node = _rename_vars(lora_node, {a: a0, b: b0})
-      new_nodes[id(node)] = lora_node
-    else:
-      paths[node.path] = (a, b)
-
-  def rebuild(node):
-    if id(node) in new_nodes:
-      return new_nodes[id(node)]
-    if not isinstance(node, Mox):
-      return node
-    children = [rebuild(c) for c in node.children]
-    if all(x is y for x, y in zip(children, node.children)):
-      return node
-    return node.replace(children=children)
-
-  children = [rebuild(c) for c in mox.children]
-
-  # New root arguments: the state with the adapters at each module's path.
-  key = jax.random.key(0) if key is None else key
-  sym_state = root_args[position[0]][position[1]]
-  new_params, mask = params, jax.tree.map(lambda _: False, params)
-  added = []
-  for path, (a, b) in paths.items():
-    key, sub_key = jax.random.split(key)
-    d_in = a.aval.shape[0]
-    a_value = (jax.random.normal(sub_key, a.aval.shape, a.aval.dtype)
-               / jnp_sqrt(d_in, a.aval.dtype))
-    b_value = np.zeros(b.aval.shape, b.aval.dtype)
-    keys = _state_keys(params, path)
-    for name, sym, value in (('lora_a', a, a_value), ('lora_b', b, b_value)):
-      sym_state = _state_insert(sym_state, keys, name, _param_like(sym))
-      new_params = _state_insert(new_params, keys, name, nnx.Param(
-          jax.numpy.asarray(value)))
-      mask = _state_insert(mask, keys, name, nnx.Param(True))
-    added.append(keys)
-  args, kwargs = root_args
-  if position[0] == 0:
-    args = tuple(sym_state if i == position[1] else x
-                 for i, x in enumerate(args))
-  else:
-    kwargs = {**kwargs, position[1]: sym_state}
-  from yax._ir import Symbol
-  inputs, in_tree = jtu.tree_flatten(
-      (args, kwargs), is_leaf=lambda s: isinstance(s, Symbol))
-  new_mox = mox.replace(inputs=inputs, in_tree=in_tree, children=children)
-  scale = alpha / rank
-
-  def merge(trained):
-    """Folds ``kernel + (alpha/rank) * lora_a @ lora_b`` into each adapted
-    kernel and returns a state for the ORIGINAL tree (adapters removed)."""
-    out = trained
-    for keys in added:
-      module = _state_get(out, keys)
-      a, b, kernel = (_value_of(module[k]) for k in ('lora_a', 'lora_b',
-                                                      'kernel'))
-      merged = {k: v for k, v in _raw(module).items()
-                if k not in ('lora_a', 'lora_b')}
-      merged['kernel'] = nnx.Param((kernel + scale * (a @ b)).astype(
-          kernel.dtype))
-      out = _state_replace(out, keys, merged)
-    return out
-
-  return LoraResult(new_mox, new_params, mask, merge,
-                    [tuple(map(str, k)) for k in added])
-
-
-def _value_of(x):
-  return _raw_value(x) if _is_variable(x) else x
-
-
-def jnp_sqrt(n, dtype):
-  return jax.numpy.sqrt(jax.numpy.asarray(n, dtype))
-
-
-def _is_ancestor(a, b, parents) -> bool:
-  node = parents.get(id(b))
-  while node is not None:
-    if node is a:
-      return True
-    node = parents.get(id(node))
-  return False
-
-
-def _rename_vars(node, mapping):
-  from yax._ir import Mox
-  sub = lambda syms: [mapping.get(s, s) for s in syms]
-
-  def copy(n):
-    if isinstance(n, Mox):
-      return n.replace(inputs=sub(n.inputs), outputs=sub(n.outputs),
-                       children=[copy(c) for c in n.children])
-    return n.replace(inputs=sub(n.inputs), outputs=sub(n.outputs))
-  return copy(node)
-
-
-def _param_like(sym):
-  """An ``nnx.Param`` holding a symbol (built without running its init)."""
-  treedef = jtu.tree_structure(nnx.Param(np.zeros((), np.float32)))
-  return jtu.tree_unflatten(treedef, [sym])
-
-
-def _state_keys(state, path) -> tuple:
-  keys, node = [], state
-  for name in path:
-    k = _state_key(node, name)
-    if k is None:
-      from yax._errors import SubstitutionError
-      raise SubstitutionError(
-          f"lora: the state has no entry for module path '{'/'.join(path)}'")
-    keys.append(k)
-    node = node[k]
-  return tuple(keys)
-
-
-def _state_get(state, keys):
-  for k in keys:
-    state = state[k]
-  return state
-
-
-def _raw(state) -> dict:
-  """A state's nested mapping as stored (inner levels are plain dicts)."""
-  if isinstance(state, nnx.State):
-    return dict(state.raw_mapping)
-  return dict(state)
-
-
-def _at_top(state, raw: dict):
-  return nnx.State(raw) if isinstance(state, nnx.State) else raw
-
-
-def _raw_insert(raw: dict, keys, name, value) -> dict:
-  if not keys:
-    return {**raw, name: value}
-  k = keys[0]
-  return {**raw, k: _raw_insert(_raw(raw[k]), keys[1:], name, value)}
-
-
-def _raw_replace(raw: dict, keys, value) -> dict:
-  if len(keys) == 1:
-    return {**raw, keys[0]: value}
-  k = keys[0]
-  return {**raw, k: _raw_replace(_raw(raw[k]), keys[1:], value)}
-
-
-def _state_insert(state, keys, name, value):
-  """A copy of ``state`` with ``value`` at ``keys + (name,)``."""
-  return _at_top(state, _raw_insert(_raw(state), keys, name, value))
-
-
-def _state_replace(state, keys, value):
-  return _at_top(state, _raw_replace(_raw(state), keys, value))
 
 
 # --------------------------------------------------------- command line

@@ -153,10 +153,7 @@ def total_params(mox: Mox) -> tuple[int, int]:
   (a module called twice shares them). A tree without module calls has none.
   """
   seen: dict[int, Symbol] = {}
-  from yax import _nnx
-  # An NNX module call lists only its own variables: count every call's.
-  calls = module_calls(mox) if _nnx.is_nnx_tree(mox) else outermost_calls(mox)
-  for node in calls:
+  for node in outermost_calls(mox):
     for s in variable_groups(node).get(PARAMS, ()):
       seen[id(s)] = s
   return count(seen.values())
