@@ -1,6 +1,8 @@
 """eval_mox, to_jaxpr and map_mox against the traced functions themselves."""
 
+import gc
 import re
+import weakref
 
 import flax.linen as nn
 import jax
@@ -300,3 +302,120 @@ def test_interpreter_subclass_observes_module_outputs(net):
   inter = state['intermediates']
   seen = dict((p, v) for p, v in rec.seen)
   assert_trees_close(seen[('Dense_0',)][0], inter['Dense_0']['__call__'][0])
+
+
+# ------------------------------------------- values freed after last use
+
+def _chain(x):
+  for _ in range(30):
+    x = jnp.sin(x) * 1.5
+  return x
+
+
+def test_interpreter_releases_an_intermediate_after_its_last_use():
+  # Each value of the chain is read once, by the next equation: the first
+  # intermediate must be gone (no reference left) before the chain ends.
+  x = jnp.arange(4.0)
+  mox = yax.make_mox(_chain)(x)
+  refs, alive_at_end = [], []
+
+  class Watcher(yax.Interpreter):
+    def run_equation(self, eqn):
+      if len(refs) == 1 and eqn is mox.children[-1]:
+        gc.collect()
+        alive_at_end.append(refs[0]() is not None)
+      super().run_equation(eqn)
+      if not refs:
+        refs.append(weakref.ref(self.read(eqn.outputs[0])))
+
+  out = Watcher().run(mox, mox.consts, [x])
+  assert_trees_close(out[0], _chain(x))
+  assert alive_at_end == [False]
+
+
+def test_interpreter_holds_few_values_at_once(net):
+  # Eager replay keeps only live values: the peak number of environment
+  # entries stays near the tree's inputs, far below its symbol count.
+  model, variables, x, mox = net
+  sizes = []
+
+  class Counter(yax.Interpreter):
+    def run_equation(self, eqn):
+      super().run_equation(eqn)
+      sizes.append(len(self.env))
+
+  leaves = jax.tree_util.tree_leaves(((variables, x), {}))
+  out = Counter().run(mox, mox.consts, leaves)
+  assert_trees_close(out[0], model.apply(variables, x))
+  defined = len({s for e in iter_nodes(mox) if isinstance(e, yax.Equation)
+                 for s in e.outputs})
+  assert defined > 30
+  assert max(sizes) <= len(leaves) + 6, (max(sizes), len(leaves), defined)
+
+  chain = yax.make_mox(_chain)(jnp.arange(4.0))
+  sizes.clear()
+  Counter().run(chain, chain.consts, [jnp.arange(4.0)])
+  assert len(sizes) == 60 and max(sizes) <= 3
+
+
+class _Step(nn.Module):
+  @nn.compact
+  def __call__(self, c, _):
+    return jnp.tanh(nn.Dense(4, name='fc')(c)), None
+
+
+class _Lifted(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.scan(_Step, variable_axes={'params': 0},
+                split_rngs={'params': True}, length=2)(name='stack')(x, None)[0]
+    x = nn.remat(nn.Dense)(4, name='remat')(x)
+    return nn.jit(nn.Dense)(4, name='jitted')(x)
+
+
+def test_interpreter_leaves_only_the_tree_inputs_and_outputs():
+  # Values inside module calls and inside the bodies of lifted transforms
+  # (tracers of the body's trace) are dropped once used.
+  model = _Lifted()
+  x = jnp.ones((2, 4))
+  variables = model.init(KEY, x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  interp = yax.Interpreter()
+  leaves = jax.tree_util.tree_leaves(((variables, x), {}))
+  out = interp.run(mox, mox.consts, leaves)
+  assert_trees_close(out[0], model.apply(variables, x))
+  assert set(interp.env) <= {*mox.constvars, *mox.inputs, *mox.outputs}
+  assert not any(isinstance(v, jax.core.Tracer) for v in interp.env.values())
+
+
+class Unused(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    nn.Dense(3, name='dead')(x)  # its output is never read
+    return nn.Dense(2, name='live')(x)
+
+
+def test_subclass_reads_module_inputs_and_outputs_after_the_call():
+  # Freeing waits until a module call's run_module has returned, so an
+  # override can read the call's inputs and outputs (even an output no
+  # later equation reads) after super().run_module.
+  model = Unused()
+  x = jnp.ones((1, 4))
+  variables = model.init(KEY, x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  seen = {}
+
+  class Recorder(yax.Interpreter):
+    def run_module(self, node):
+      super().run_module(node)
+      if not node.is_ephemeral:
+        seen[node.path] = ([self.read(s) for s in node.inputs],
+                           [self.read(s) for s in node.outputs])
+
+  leaves = jax.tree_util.tree_leaves(((variables, x), {}))
+  Recorder().run(mox, mox.consts, leaves)
+  dense = lambda name, f: nn.Dense(f).apply(
+      {'params': variables['params'][name]}, x)
+  assert_trees_close(seen[('dead',)][1][0], dense('dead', 3))
+  assert_trees_close(seen[('live',)][1][0], dense('live', 2))
+  assert_trees_close(seen[('dead',)][0][-1], x)

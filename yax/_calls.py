@@ -101,7 +101,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
       *var_leaves, *[leaves[i] for i in dyn], call_id=record,
       num_vars=len(var_leaves))
   leaves = list(leaves)
-  for i, x in zip(dyn, marked):
+  for i, x in zip(dyn, marked, strict=True):
     leaves[i] = x
   args, kwargs = tree_unflatten(in_tree, leaves)
 
@@ -121,6 +121,6 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
                         if not is_traced_value(x)}
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
                                 call_id=record)
-  for i, x in zip(out_dyn, marked):
+  for i, x in zip(out_dyn, marked, strict=True):
     out_leaves[i] = x
   return tree_unflatten(out_tree, out_leaves)

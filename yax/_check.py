@@ -114,7 +114,7 @@ def check_mox(mox: Mox, *, types: bool = True) -> None:
             f'{_where(node, path)} has {len(node.children)} bodies, '
             f'{len(node.body_keys)} body keys and {len(node.body_forms)} '
             'body forms')
-      for key, body in zip(node.body_keys, node.children):
+      for key, body in zip(node.body_keys, node.children, strict=True):
         if key in node.params or (isinstance(key, tuple)
                                   and key[0] in node.params):
           raise InvariantError(

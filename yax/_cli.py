@@ -217,11 +217,11 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
 
 def trace_model(spec: str | None):
   """Loads MODEL and traces it; returns ``(mox, label)``."""
-  import yax
+  from yax._trace import make_mox
   fn, args, kwargs, label = load_model(spec)
   try:
     with progress(f'tracing {label}'):
-      return yax.make_mox(fn)(*args, **kwargs), label
+      return make_mox(fn)(*args, **kwargs), label
   except Exception as e:
     raise _Failure(f'tracing {label} failed: {_describe(e)}') from e
 
@@ -332,10 +332,10 @@ def summary(model, depth, xla_flops, width):
 @debug_option
 def xml(model, output, indent):
   """Print the MoX as XML."""
-  import yax
+  from yax._serialize import dump_xml
   mox, _ = trace_model(model)
   with _Output(output) as f, progress('writing XML'):
-    yax.dump_xml(mox, f, indent=indent)
+    dump_xml(mox, f, indent=indent)
 
 
 @cli.command()
@@ -346,10 +346,10 @@ def xml(model, output, indent):
 @debug_option
 def yson(model, output, indent):
   """Print the MoX as YSON (needs the yson extra: ytsaurus-client)."""
-  import yax
+  from yax._serialize import dump_yson
   mox, _ = trace_model(model)
   with _Output(output, binary=True) as f, progress('writing YSON'):
-    yax.dump_yson(mox, f, indent=indent)
+    dump_yson(mox, f, indent=indent)
 
 
 @cli.command(name='json')
@@ -377,10 +377,12 @@ def _xpath_error(xpath: str, e: Exception) -> _Usage:
 
 def _check_xpath(xpath: str):
   """Compiles XPATH on an empty tree, so a typo fails before tracing."""
-  import yax
+  from yax._errors import XPathError
+  from yax._ir import Mox
+  from yax import _query
   try:
-    yax.query(xpath, yax.Mox([], []))
-  except yax.XPathError as e:
+    _query.query(xpath, Mox([], []))
+  except XPathError as e:
     raise _xpath_error(xpath, e) from e
 
 
@@ -456,13 +458,14 @@ def query(xpath, model, count_only):
   With no match, prints "yax: no match for XPATH" on stderr and exits with
   status 1 (like grep); --count then prints 0.
   """
-  import yax
+  from yax._errors import XPathError
+  from yax import _query
   _check_xpath(xpath)
   mox, _ = trace_model(model)
   try:
     with progress('querying'):
-      result = yax.query(xpath, mox)
-  except yax.XPathError as e:
+      result = _query.query(xpath, mox)
+  except XPathError as e:
     raise _xpath_error(xpath, e) from e
   matches = result if isinstance(result, list) else [result]
   if count_only:

@@ -3,11 +3,14 @@
 ``Interpreter`` is the one walker that runs a tree: one method per node kind
 (``run_module``, ``run_equation``), an environment dict, read and write.
 Subclass it to observe or change evaluation (e.g. record activations).
+Values are dropped from the environment after their last use, as JAX's
+``eval_jaxpr`` does, so eager evaluation does not hold every intermediate.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -34,11 +37,20 @@ class Interpreter:
 
   An exception raised while an equation runs is re-raised as
   ``yax.EvaluationError`` naming the module path and the equation.
+
+  A value leaves ``env`` after its last use: after the last equation that
+  reads it, or, for the inputs and outputs of a module call, once that
+  call's ``run_module`` has returned (so an override of ``run_module`` can
+  still read them after calling ``super().run_module``). The outputs of the
+  tree being run stay until ``run`` has read them.
   """
 
   def __init__(self):
     self.env: dict[Symbol, Any] = {}
     self.modules: list[Mox] = []  # the module calls being run, outermost first
+    # For each scope being run (the tree, the body of an equation), the
+    # symbols that are dead after each of its nodes (see ``dead_after``).
+    self._dead: list[dict[int, list[Symbol]]] = []
 
   def read(self, sym: Symbol):
     if isinstance(sym, Literal):
@@ -53,12 +65,20 @@ class Interpreter:
     """Binds ``mox.constvars`` and ``mox.inputs``, runs, returns outputs."""
     _bind(self, mox.constvars, consts, 'constants')
     _bind(self, mox.inputs, inputs, 'inputs')
-    self.run_module(mox)
+    self._dead.append(dead_after(mox))
+    try:
+      self.run_module(mox)
+    finally:
+      self._dead.pop()
     return [self.read(s) for s in mox.outputs]
 
   def run_body(self, body: Mox, args: Sequence[Any]) -> list:
     """Runs the body of an equation (called while JAX traces it)."""
-    return self.run(body, body.consts, args)
+    outs = self.run(body, body.consts, args)
+    # The body's values are tracers of a trace that ends with this call.
+    for s in (*body.constvars, *body.inputs, *body.outputs):
+      self.env.pop(s, None)
+    return outs
 
   def run_node(self, node: Expr) -> None:
     if isinstance(node, Mox):
@@ -68,9 +88,12 @@ class Interpreter:
 
   def run_module(self, mox: Mox) -> None:
     self.modules.append(mox)
+    dead = self._dead[-1] if self._dead else {}
     try:
       for child in mox.children:
         self.run_node(child)
+        for s in dead.get(id(child), ()):  # last used by ``child``
+          self.env.pop(s, None)
     finally:
       self.modules.pop()
 
@@ -87,8 +110,48 @@ class Interpreter:
       raise  # raised in a body, where the module path is known best
     except Exception as e:  # noqa: BLE001 - re-raised with where it happened
       raise EvaluationError(_failure(self, eqn, e)) from e
-    for s, v in zip(eqn.outputs, outs):
+    for s, v in zip(eqn.outputs, outs, strict=True):
       self.write(s, v)
+    if inputs is not eqn.inputs:  # constants a run rule added for this call
+      own = set(eqn.inputs)
+      for s in inputs:
+        if s not in own:
+          self.env.pop(s, None)
+
+
+def dead_after(scope: Mox) -> dict[int, list[Symbol]]:
+  """For each node of ``scope`` (by ``id``), the symbols no later node of
+  the scope uses, the scope's outputs excepted: ``Interpreter`` drops them
+  from its environment once the node has run. An equation uses its inputs
+  and outputs; a module call uses its inputs and outputs when it ends,
+  after its body. The bodies of equations are scopes of their own.
+
+  Computed once per scope (trees are immutable) and cached.
+  """
+  dead = _DEAD_AFTER.get(scope)
+  if dead is None:
+    last: dict[Symbol, Expr] = {}
+
+    def visit(node):
+      if isinstance(node, Mox):  # a module call: its body runs first
+        for child in node.children:
+          visit(child)
+      for s in (*node.inputs, *node.outputs):
+        last[s] = node  # a later use replaces an earlier one
+
+    for child in scope.children:
+      visit(child)
+    keep = set(scope.outputs)
+    dead = {}
+    for s, node in last.items():
+      if not isinstance(s, Literal) and s not in keep:
+        dead.setdefault(id(node), []).append(s)
+    _DEAD_AFTER[scope] = dead
+  return dead
+
+
+_DEAD_AFTER: 'weakref.WeakKeyDictionary[Mox, dict[int, list[Symbol]]]' = (
+    weakref.WeakKeyDictionary())
 
 
 def _bind(interp: Interpreter, symbols, values, what: str) -> None:
@@ -96,7 +159,7 @@ def _bind(interp: Interpreter, symbols, values, what: str) -> None:
   if len(symbols) != len(values):
     raise EvaluationError(f'the tree has {len(symbols)} {what} but '
                           f'{len(values)} values were given')
-  for s, v in zip(symbols, values):
+  for s, v in zip(symbols, values, strict=True):
     interp.write(s, v)
 
 
@@ -156,6 +219,8 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
   if mox.in_tree is not None and tree != mox.in_tree:
     # The arguments as the trace saw them (NNX nodes split), for key paths.
     leaves, paths = _match_tree(mox, jax.tree_util.tree_unflatten(tree, leaves))
+  # Not strict: without an ``in_tree`` the counts may differ, which
+  # ``Interpreter.run`` reports.
   for i, (sym, x) in enumerate(zip(mox.inputs, leaves)):
     problem = _leaf_problem(sym, x)
     if problem:
@@ -228,7 +293,7 @@ def _match_tree(mox: Mox, given) -> tuple[list, list[str]]:
   expected = _tree_paths(mox.in_tree, given)
   flat = jax.tree_util.tree_flatten_with_path(given)[0]
   found = [_argument_position(jax.tree_util.keystr(p)) for p, _ in flat]
-  by_path = dict(zip(found, (x for _, x in flat)))
+  by_path = dict(zip(found, (x for _, x in flat), strict=True))
   if len(by_path) == len(found) and set(found) == set(expected):
     traced = jax.tree_util.tree_unflatten(
         mox.in_tree, range(mox.in_tree.num_leaves))
@@ -258,7 +323,8 @@ def _plain_mappings(tree):
 
 
 def _first_difference(mox: Mox, expected, found, by_path) -> str:
-  types = dict(zip(expected, (s.type_str for s in mox.inputs)))
+  types = dict(zip(expected, (s.type_str for s in mox.inputs),
+                   strict=True))
   missing, unexpected = set(expected) - set(found), set(found) - set(expected)
   for i in range(max(len(expected), len(found))):
     e = expected[i] if i < len(expected) else None

@@ -132,7 +132,8 @@ def _closure_call(fn: types.FunctionType) -> str | None:
   except (TypeError, ValueError):
     return None
   cells = {}
-  for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+  for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (),
+                        strict=True):
     try:
       cells[name] = cell.cell_contents
     except ValueError:  # an empty cell

@@ -43,13 +43,14 @@ import json
 
 from yax import _summary
 from yax._ir import Equation, Expr, Mox
+from yax._serialize import dump_xml, xml_view
+from yax._version import __version__
 
 _SYMBOL_TAGS = ('input', 'output')
 
 
 def _nodes(mox: Expr) -> list[Expr]:
   """Tree nodes in XML document order (``input``/``output`` skipped)."""
-  from yax._serialize import xml_view
   view = xml_view(mox)
   out = []
   for el in view.root.iter():
@@ -61,9 +62,8 @@ def _nodes(mox: Expr) -> list[Expr]:
 
 def payload(mox: Expr, *, title: str = 'yax') -> dict:
   """The data the page embeds (see the module docstring)."""
-  import yax
   buf = io.StringIO()
-  yax.dump_xml(mox, buf, indent=None)
+  dump_xml(mox, buf, indent=None)
   nodes = _nodes(mox)
   params, flops, texts = [], [], []
   for i, node in enumerate(nodes):
@@ -81,7 +81,7 @@ def payload(mox: Expr, *, title: str = 'yax') -> dict:
   return {
       'format': 1,
       'title': title,
-      'version': yax.__version__,
+      'version': __version__,
       'xml': buf.getvalue(),
       'texts': texts,
       'params': params,

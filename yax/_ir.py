@@ -16,10 +16,13 @@ Nodes are immutable by convention: rewrites build new nodes with
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+
+from yax._errors import YaxError
 
 
 class Symbol:
@@ -94,25 +97,40 @@ class Expr:
     self.params = dict(params or {})
 
   def replace(self, **changes):
-    """Returns a shallow copy with the given fields changed."""
+    """Returns a copy with the given fields changed.
+
+    The copy shares no mutable container with ``self`` or with the values
+    passed: every list, dict or set field (``inputs``, ``outputs``,
+    ``params``, ``children`` ...) is a new container holding the same
+    elements (the same symbols and child nodes), so editing one node's
+    lists in place never changes another node.
+    """
     new = object.__new__(type(self))
     for cls in type(self).__mro__:
       for name in getattr(cls, '__slots__', ()):
         if name != '__weakref__' and hasattr(self, name):
-          setattr(new, name, getattr(self, name))
+          setattr(new, name, _fresh(getattr(self, name)))
     for name, value in changes.items():
       if not hasattr(type(self), name) and name not in _all_slots(type(self)):
         raise AttributeError(f'{type(self).__name__} has no field {name!r}')
-      setattr(new, name, value)
+      setattr(new, name, _fresh(value))
     return new
 
   def __str__(self):
-    from yax import _printing
-    return _printing.pp_expr(self)
+    text = VIEWS.get('text')
+    return text(self) if text is not None else repr(self)
 
 
 def _all_slots(cls):
   return {n for c in cls.__mro__ for n in getattr(c, '__slots__', ())}
+
+
+def _fresh(value):
+  """A new container for a mutable field value (same type, same elements,
+  not copied deeper); any other value as it is."""
+  if isinstance(value, (list, dict, set)):
+    return copy.copy(value)
+  return value
 
 
 class Equation(Expr):
@@ -242,15 +260,35 @@ class Mox(Expr):
 
   def to_dict(self) -> dict:
     """The tree as JSON-ready dicts (same content as the XML view)."""
-    from yax import _serialize
-    return _serialize.to_dict(self)
+    return _view('dict')(self)
 
   def to_json(self, indent: int | None = None) -> str:
-    from yax import _serialize
-    return _serialize.to_json(self, indent=indent)
+    """The tree as JSON text (same content as the XML view)."""
+    return _view('json')(self, indent=indent)
 
 
 EMPTY_TREE = jax.tree_util.tree_structure(())
+
+
+# The views behind ``str(expr)``, ``Mox.to_dict`` and ``Mox.to_json`` live in
+# higher layers (``_printing``, ``_serialize``), which register them here when
+# they are imported (``yax/__init__`` imports both), so the data model imports
+# no module above it.
+VIEWS: dict[str, Callable[..., Any]] = {}
+
+
+def register_view(kind: str, fn: Callable[..., Any]) -> None:
+  """Sets the function behind a view of a node: ``'text'`` (``str``),
+  ``'dict'`` (``Mox.to_dict``) or ``'json'`` (``Mox.to_json``)."""
+  VIEWS[kind] = fn
+
+
+def _view(kind: str) -> Callable[..., Any]:
+  fn = VIEWS.get(kind)
+  if fn is None:
+    raise YaxError(f'no {kind!r} view of a MoX is registered; it is '
+                   'registered when yax is imported (import yax)')
+  return fn
 
 
 def iter_nodes(expr: Expr) -> Iterator[Expr]:

@@ -191,7 +191,7 @@ def set_bodies(eqn: Equation, bodies: Sequence[Any]) -> dict:
                    f'{len(bodies)} given')
   params = dict(eqn.params)
   seqs: dict[str, list] = {}
-  for key, body in zip(eqn.body_keys, bodies):
+  for key, body in zip(eqn.body_keys, bodies, strict=True):
     if isinstance(key, tuple):
       name, i = key
       seq = seqs.setdefault(name, list(params.get(name, ())))
@@ -213,7 +213,7 @@ def equation_params(eqn: Equation) -> dict:
   if not eqn.children:
     return eqn.params
   return set_bodies(eqn, [lower_body(b, f) for b, f in
-                          zip(eqn.children, eqn.body_forms)])
+                          zip(eqn.children, eqn.body_forms, strict=True)])
 
 
 def jax_equation(eqn: Equation, jv: JaxVars, params: dict | None = None):

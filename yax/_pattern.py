@@ -101,7 +101,7 @@ class _Index:
       self.bodies.append(body)
       self.path_of[id(body)] = path
       self.order[id(body)] = next(counter)
-      for sym, value in zip(body.constvars, body.consts):
+      for sym, value in zip(body.constvars, body.consts, strict=True):
         self.consts[sym] = value
       for child in body.children:
         if isinstance(child, Mox):
@@ -169,7 +169,7 @@ class _Trace:
     self.eqns: list[Equation] = list(leaf_equations(mox))
     self.inputs = [s for s in mox.inputs if not _is_static(s)]
     self.outputs = [s for s in mox.outputs if not _is_static(s)]
-    self.consts = dict(zip(mox.constvars, mox.consts))
+    self.consts = dict(zip(mox.constvars, mox.consts, strict=True))
     self.producer: dict[Symbol, int] = {}
     for i, eqn in enumerate(self.eqns):
       for sym in eqn.outputs:
@@ -369,11 +369,11 @@ def _same_value(a, b, memo) -> bool:
       return False
     if isinstance(a, jex.ClosedJaxpr):
       return len(a.consts) == len(b.consts) and all(
-          _same_array(x, y) for x, y in zip(a.consts, b.consts))
+          _same_array(x, y) for x, y in zip(a.consts, b.consts, strict=True))
     return True
   if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
     return (type(a) is type(b) and len(a) == len(b)
-            and all(_same_value(x, y, memo) for x, y in zip(a, b)))
+            and all(_same_value(x, y, memo) for x, y in zip(a, b, strict=True)))
   if isinstance(a, dict) and isinstance(b, dict):
     return a.keys() == b.keys() and all(
         _same_value(a[k], b[k], memo) for k in a)
@@ -538,8 +538,9 @@ class _Search:
     if len(pe.children) != len(te.children) or any(
         _calls_modules(b, self.memo) for b in te.children):
       return fail('its body calls Flax modules') or False
-    if self.exact and any(_body_text(a, self.memo) != _body_text(b, self.memo)
-                          for a, b in zip(pe.children, te.children)):
+    if self.exact and any(
+        _body_text(a, self.memo) != _body_text(b, self.memo)
+        for a, b in zip(pe.children, te.children, strict=True)):
       return fail('the bodies it holds differ') or False
     if len(pe.inputs) != len(te.inputs) or len(pe.outputs) != len(te.outputs):
       return fail(f'{len(pe.inputs)} inputs/{len(pe.outputs)} outputs in the '
@@ -549,11 +550,11 @@ class _Search:
       diff = _param_diff(pe, te, self.memo)
       if diff:
         return fail(diff) or False
-    for k, (p, t) in enumerate(zip(pe.inputs, te.inputs)):
+    for k, (p, t) in enumerate(zip(pe.inputs, te.inputs, strict=True)):
       why = self.bind_input(p, t, env)
       if why:
         return fail(f'input {k}: {why}') or False
-    for k, (p, t) in enumerate(zip(pe.outputs, te.outputs)):
+    for k, (p, t) in enumerate(zip(pe.outputs, te.outputs, strict=True)):
       if p in env and env[p] is not t:
         return fail(f'output {k} is not the value the rest of the pattern '
                     'reads there') or False
@@ -956,8 +957,8 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
         new = rebuild(c)
       elif c.children:
         bodies = [rebuild(b) for b in c.children]
-        new = c if all(a is b for a, b in zip(bodies, c.children)) else \
-            c.replace(children=bodies)
+        same = all(a is b for a, b in zip(bodies, c.children, strict=True))
+        new = c if same else c.replace(children=bodies)
         renamed[id(c)] = new
       else:
         new = c

@@ -14,7 +14,7 @@ from jax.extend import core as jex
 
 from yax import _compat, _lower
 from yax._format import escape_text, format_value
-from yax._ir import Equation, Expr, Mox
+from yax._ir import Equation, Expr, Mox, register_view
 from yax._lower import dynamic, jax_equation, new_jaxpr_eqn
 
 module_call_p = jex.Primitive('module_call')
@@ -103,7 +103,7 @@ class _Display:
       return jax_equation(eqn, self.jv)
     shown = [_Display().closed(body) for body in eqn.children]
     shown = [s if form == _lower.CLOSED else s.jaxpr
-             for s, form in zip(shown, eqn.body_forms)]
+             for s, form in zip(shown, eqn.body_forms, strict=True)]
     return jax_equation(eqn, self.jv, _lower.set_bodies(eqn, shown))
 
   def closed(self, mox: Mox) -> jex.ClosedJaxpr:
@@ -135,3 +135,6 @@ def pp_expr(expr: Expr) -> str:
   if not _compat.HAVE_PRINTER:  # pragma: no cover - depends on JAX version
     return repr(expr)
   return str(display_jaxpr(expr))
+
+
+register_view('text', pp_expr)  # str(expr): _ir does not import this module

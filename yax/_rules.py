@@ -49,7 +49,7 @@ def _keep_consts(interp, eqn):
   custom_jvp_call ...): the traced bodies are used as they are."""
   bodies = []
   for i, ((jaxpr, consts), form) in enumerate(
-      zip(_traced_bodies(interp, eqn), eqn.body_forms)):
+      zip(_traced_bodies(interp, eqn), eqn.body_forms, strict=True)):
     jaxpr = _named(eqn, i, jaxpr)
     if form == _lower.CLOSED:
       bodies.append(_lower.make_closed(jaxpr, consts))
@@ -186,8 +186,8 @@ def _thread_scan(eqn, inputs, bodies, params, needed):
   num_consts, length = params['num_consts'], params['length']
   is_const = [n.sibling is not None and n.sibling < num_consts or
               isinstance(n.key, ConstKey) for n in needed]
-  consts = [n for n, c in zip(needed, is_const) if c]
-  xs = [n for n, c in zip(needed, is_const) if not c]
+  consts = [n for n, c in zip(needed, is_const, strict=True) if c]
+  xs = [n for n, c in zip(needed, is_const, strict=True) if not c]
   outer_c = [(n.key, Var(n.inner.aval)) for n in consts]
   outer_x = [(n.key, Var(n.inner.aval.update(
       shape=(length, *n.inner.aval.shape)))) for n in xs]

@@ -47,7 +47,7 @@ from lxml import etree
 from yax import _nnx
 from yax._errors import YaxError
 from yax._format import escape_text, format_value, safe_repr, truncate
-from yax._ir import Equation, Expr, Literal, Mox, Symbol
+from yax._ir import Equation, Expr, Literal, Mox, Symbol, register_view
 
 __all__ = ['dump_xml', 'dump_yson', 'to_dict', 'to_json', 'xml_view']
 
@@ -241,7 +241,7 @@ def _node_markup(node: Expr) -> tuple[str, str, list[str]]:
       kinds = _nnx.var_kinds(node)  # NNX: Param, BatchStat, RngCount ...
       if kinds:
         var_paths = [f'{v} vartype="{_escape(k)}"' if k else v
-                     for v, k in zip(var_paths, kinds)]
+                     for v, k in zip(var_paths, kinds, strict=True)]
     else:
       (tag, attrs), var_paths = _equation_attrs(node), []
     cached = (tag, _start_tag(tag, attrs), var_paths)
@@ -428,7 +428,7 @@ def build_view(expr: Expr) -> XmlView:
   builder.node(expr)
   parser = etree.XMLParser(huge_tree=True)
   root = etree.fromstring(''.join(builder.parts), parser)
-  objects = dict(zip(root.iter(), builder.objects))
+  objects = dict(zip(root.iter(), builder.objects, strict=True))
   objects[root] = None  # the tree itself; see XmlView
   return XmlView(root, objects, builder.names)
 
@@ -568,3 +568,8 @@ def dump_yson(mox: Expr, fileobj: IO[bytes] | str | os.PathLike,
       own.write(data)
   else:
     fileobj.write(data)
+
+
+# Mox.to_dict / Mox.to_json: _ir does not import this module.
+register_view('dict', to_dict)
+register_view('json', to_json)

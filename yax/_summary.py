@@ -295,7 +295,7 @@ def output_texts(mox: Mox) -> list[str]:
   if isinstance(tree, (tuple, list)):
     fields = getattr(tree, '_fields', None)  # namedtuple
     if fields:
-      return [_named(k, v) for k, v in zip(fields, tree)]
+      return [_named(k, v) for k, v in zip(fields, tree, strict=True)]
     return [value_text(v) for v in tree]
   return [value_text(tree)]
 
@@ -465,7 +465,7 @@ def render_table(columns: list[_Column], cells: list[list[str]],
     budget = width - (3 * n + 1)
     while sum(widths) > budget:
       # Shrink the column with the most room above its minimum.
-      slack = [w - m for w, m in zip(widths, minimal)]
+      slack = [w - m for w, m in zip(widths, minimal, strict=True)]
       i = max(range(n), key=lambda k: (slack[k], widths[k]))
       if slack[i] <= 0:
         break  # cannot fit without breaking words: let it overflow
