@@ -250,6 +250,42 @@ def test_one_pattern_matches_every_width_and_dtype():
   assert max_diff(yax.eval_mox(new16, x), ref16) == 0.0
 
 
+class HalfAttention(nn.Module):
+  """Two softmaxes (over 8 and over 5 keys) computed in ``dtype``; JAX
+  computes a half-precision softmax through float32 upcasts."""
+  dtype: object = jnp.bfloat16
+  act: object = jax.nn.softmax
+
+  @nn.compact
+  def __call__(self, x):
+    a = self.act(nn.Dense(8, dtype=self.dtype)(x))
+    b = self.act(nn.Dense(5, dtype=self.dtype, name='second')(a))
+    return b
+
+
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
+def test_half_precision_softmax_in_a_flax_model_is_found(dtype):
+  model = HalfAttention(dtype=dtype)
+  x = jax.random.normal(jax.random.key(0), (2, 4), dtype)
+  v = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  # JAX's own half-precision softmax holds float32 upcasts the float32
+  # softmax lacks: the pattern must be traced at the candidate's dtype.
+  half = str(jax.make_jaxpr(jax.nn.softmax)(jnp.ones((2, 8), dtype)))
+  assert 'convert_element_type' in half
+  assert 'convert_element_type' not in str(
+      jax.make_jaxpr(jax.nn.softmax)(jnp.ones((2, 8), jnp.float32)))
+  ms = yax.match(jax.nn.softmax, mox)
+  short = {'bfloat16': 'bf16', 'float16': 'f16'}[jnp.dtype(dtype).name]
+  assert [m.inputs[0].type_str for m in ms] == [f'{short}[2,8]',
+                                                f'{short}[2,5]']
+  new = yax.sub(ms, yax.trace_like(jax.nn.sigmoid), mox)
+  yax.check_mox(new)
+  ref = HalfAttention(dtype=dtype, act=jax.nn.sigmoid).apply(v, x)
+  assert max_diff(yax.eval_mox(new, v, x), ref) == 0.0
+  assert max_diff(yax.eval_mox(mox, v, x), model.apply(v, x)) == 0.0
+
+
 def test_a_traced_pattern_matches_its_own_shapes_only():
   model = Mlp(widths=(8, 12))
   x = jnp.ones((4, 3))

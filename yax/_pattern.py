@@ -15,7 +15,11 @@ How matching works:
    bound value is unique; the consumers of a bound value are the candidates
    for an equation that reads it. This *loose* walk compares primitives and
    the places of literals only, and yields the tree values that play the
-   pattern's inputs, hence their shapes and dtypes.
+   pattern's inputs, hence their shapes and dtypes. When no trace known so
+   far walks loosely from a candidate, the pattern is traced at the probe
+   shape in each dtype found around the candidate (its anchor's dtypes
+   first): JAX traces a bfloat16/float16 softmax or norm through float32
+   upcasts, with ``convert_element_type`` equations the float32 probe lacks.
 3. The pattern is traced again at exactly those shapes and dtypes (cached
    per signature) and walked again, now comparing params, literals, shapes
    and dtypes. A match must also be *closed*: no value computed inside it is
@@ -293,6 +297,8 @@ class _Pattern:
       self.cache = _TRACE_CACHE.setdefault(pattern, {})
     except TypeError:  # not weakly referenceable
       self.cache = {}
+    self._dtype_probes: dict[str, _Trace | None] = {}
+    self.probe_shape = None
     self.arity = _positional_arity(pattern)
     if self.arity is None:
       raise PatternError(
@@ -308,7 +314,10 @@ class _Pattern:
     for shape in _PROBE_SHAPES:
       args = [jax.ShapeDtypeStruct(shape, np.float32)] * self.arity
       try:
-        return self.at([a for a in args])
+        trace = self.at([a for a in args])
+        self.probe_shape = shape
+        self._dtype_probes[np.dtype(np.float32).name] = trace
+        return trace
       except PatternError:
         raise
       except Exception as e:  # noqa: BLE001 - try the next probe shape
@@ -333,6 +342,32 @@ class _Pattern:
       mox = make_mox(self.fn)(*args)
       trace = self.cache[key] = _Trace(
           mox, f'the pattern {_fn_name(self.fn)}')
+    return trace
+
+  def probe_at_dtype(self, dtype) -> _Trace | None:
+    """The pattern traced at the probe shape with every input of ``dtype``
+    (cached); None when it cannot be traced so.
+
+    JAX traces some functions differently per dtype (a bfloat16 softmax or
+    norm goes through float32 upcasts: extra ``convert_element_type``
+    equations), so the float32 probe alone cannot find their half-precision
+    occurrences in the loose walk.
+    """
+    if self.fixed is not None:
+      return None
+    try:
+      name = np.dtype(dtype).name
+    except TypeError:
+      return None
+    if name in self._dtype_probes:
+      return self._dtype_probes[name]
+    trace = None
+    try:
+      trace = self.at([jax.ShapeDtypeStruct(self.probe_shape, dtype)]
+                      * self.arity)
+    except Exception:  # noqa: BLE001 - the pattern does not apply to dtype
+      trace = None
+    self._dtype_probes[name] = trace
     return trace
 
   def traces(self) -> list[_Trace]:
@@ -738,10 +773,57 @@ class _Matcher:
       self.by_prim.setdefault(e.prim.name, []).append(e)
     self.counts = {k: len(v) for k, v in self.by_prim.items()}
 
+  def _candidate_dtypes(self, te: Equation) -> list:
+    """Dtypes to probe the pattern at for a candidate anchored at ``te``:
+    those of the anchor's own values first, then every other dtype of the
+    values in the body that holds it."""
+    body = self.ix.body_of.get(id(te))
+    key = ('dtypes', id(body))
+    rest = self.memo.get(key)
+    if rest is None:
+      rest = []
+      for e in (body.children if body is not None else ()):
+        if isinstance(e, Equation):
+          for s in (*e.inputs, *e.outputs):
+            if s.aval is not None and hasattr(s.aval, 'dtype'):
+              rest.append(s.aval.dtype)
+      self.memo[key] = rest
+    out, seen = [], set()
+    for s in (*te.inputs, *te.outputs, None):
+      dt = getattr(getattr(s, 'aval', None), 'dtype', None) if s is not None \
+          else None
+      for d in ([dt] if s is not None else rest):
+        if d is None:
+          continue
+        try:
+          name = np.dtype(d).name
+        except TypeError:
+          continue
+        if name not in seen:
+          seen.add(name)
+          out.append(d)
+    return out
+
   def loose(self, te: Equation, used: set, explain=None):
-    """Input avals of a candidate anchored at ``te``, from any known trace."""
+    """Input avals of a candidate anchored at ``te``, from any known trace,
+    then from the pattern traced at the dtypes found around ``te``."""
     known = self.pattern.traces()
-    for trace in known + [p for p in self.pattern.probes if p not in known]:
+    tried = known + [p for p in self.pattern.probes if p not in known]
+    found = self._loose_with(tried, te, used, explain)
+    if found is not None or self.pattern.fixed is not None:
+      return found
+    for dtype in self._candidate_dtypes(te):
+      trace = self.pattern.probe_at_dtype(dtype)
+      if trace is None or any(trace is t for t in tried):
+        continue
+      tried.append(trace)
+      found = self._loose_with([trace], te, used, explain)
+      if found is not None:
+        return found
+    return None
+
+  def _loose_with(self, traces, te: Equation, used: set, explain):
+    for trace in traces:
       for i, pe in enumerate(trace.eqns):
         if pe.prim.name != te.prim.name:
           continue
