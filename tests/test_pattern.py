@@ -438,6 +438,51 @@ def manual_gelu(x, *, c=0.7071067690849304):
   return (0.5 * x) * jax.lax.erfc(-x * np.float32(c))
 
 
+class GeluNamedDense(nn.Module):
+  """A Dense whose name is the name a group will want, then two GELUs."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = exact_gelu(nn.Dense(4, name='gelu')(x))
+    return exact_gelu(nn.Dense(4, name='out')(h))
+
+
+class OnesScale(nn.Module):
+  """A replacement with a variable named like the Dense's kernel."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('kernel', nn.initializers.ones, (x.shape[-1], x.shape[-1]))
+    return x * w[0]
+
+
+def test_a_group_never_takes_the_path_of_an_existing_module():
+  model = GeluNamedDense()
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  v = model.init(jax.random.key(1), x)
+  # A module the traced call never runs still owns its path in the params.
+  v = {'params': {**v['params'], 'gelu_1': {'kernel': jnp.full((4, 4), 3.0)}}}
+  mox = yax.make_mox(model.apply)(v, x)
+  g = yax.group(exact_gelu, mox, name='gelu')
+  groups = [n for n in yax.query('//module_call[@name="gelu"]', g)
+            if n.is_ephemeral]
+  existing = {n.path for n in yax.query('//module_call', mox)}
+  assert existing >= {('gelu',), ('out',)}
+  assert [n.path for n in groups] == [('gelu_2',), ('gelu_3',)]
+  # A replacement with variables gets weights of its own, not the Dense's
+  # (nor the uncalled module's): compare with plain Flax.
+  s = OnesScale()
+  rep = yax.make_mox(s.apply)(s.init(jax.random.key(0), x), x)
+  new = yax.sub(groups, rep, g)
+  yax.check_mox(new)
+  v2 = {'params': {**v['params'], 'gelu_2': {'kernel': jnp.ones((4, 4))},
+                   'gelu_3': {'kernel': jnp.ones((4, 4))}}}
+  dense = lambda name, h: nn.Dense(4).apply(
+      {'params': v['params'][name]}, h)
+  ref = dense('out', dense('gelu', x))  # each GELU became x * 1
+  assert max_diff(yax.eval_mox(new, v2, x), ref) < 1e-6
+
+
 def test_manual_gelu_matches_like_jax_nn_gelu():
   x = jnp.ones((2, 5))
   # jax.nn.gelu ends with a copy; a pattern without it matches the rest.

@@ -989,6 +989,78 @@ def _check_matches(matches: Sequence[Match], mox: Mox, what: str):
   return ix
 
 
+def _str_keys(tree, n: int) -> list[tuple[str, ...]]:
+  """Key paths (as strings) of the ``n`` leaves of a treedef; none when the
+  treedef is missing or does not have ``n`` leaves."""
+  if tree is None or getattr(tree, 'num_leaves', None) != n or n == 0:
+    return []
+  try:
+    flat = jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(tree, range(n)))[0]
+  except Exception:  # noqa: BLE001 - an odd treedef names no paths
+    return []
+  out = []
+  for keypath, _ in flat:
+    keys = []
+    for k in keypath:
+      for attr in ('key', 'name', 'idx'):
+        if hasattr(k, attr):
+          keys.append(str(getattr(k, attr)))
+          break
+      else:
+        keys.append(str(k))
+    out.append(tuple(keys))
+  return out
+
+
+class _TakenPaths:
+  """Module paths a new group node must not take: every module call's path,
+  the module paths of the variables they read, and every module path the
+  root's arguments name (a params tree also holds modules that this call
+  never runs). Reading any of them as a group's path would let a
+  replacement with variables read that module's weights."""
+
+  def __init__(self, root: Mox):
+    self.paths: set[tuple] = set()
+    self.root_keys = [k[:-1] for k in _str_keys(root.in_tree,
+                                                  len(root.inputs))]
+    for node in _iter_calls(root):
+      if node is root:
+        continue
+      self.paths.add(tuple(node.path))
+      for keys in _str_keys(node.var_tree, node.num_vars):
+        # Linen: (collection, *submodule, name); NNX: (*submodule, name).
+        for inner in (keys[1:-1], keys[:-1]):
+          for i in range(1, len(inner) + 1):
+            self.paths.add((*node.path, *inner[:i]))
+
+  def taken(self, path: tuple) -> bool:
+    if path in self.paths:
+      return True
+    n = len(path)
+    return any(keys[i:i + n] == path for keys in self.root_keys
+               for i in range(len(keys) - n + 1))
+
+  def fresh(self, parent: tuple, name: str) -> tuple:
+    """``(*parent, name)``, else ``name_1``, ``name_2`` ...: the first that
+    is taken neither by the tree nor by an earlier group; it is taken."""
+    for k in itertools.count():
+      path = (*parent, name if k == 0 else f'{name}_{k}')
+      if not self.taken(path):
+        self.paths.add(path)
+        return path
+    raise AssertionError('unreachable')
+
+
+def _iter_calls(root: Mox):
+  stack = [root]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, Mox):
+      yield node
+    stack.extend(getattr(node, 'children', ()))
+
+
 def group_matches(mox: Mox, matches: Sequence[Match], name: str):
   """A new tree with each match wrapped in an ephemeral module call.
 
@@ -1000,13 +1072,10 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
   for pos, m in enumerate(matches):
     by_body.setdefault(id(m._body), []).append((pos, m))
   nodes: list[Mox | None] = [None] * len(matches)
-  used_paths: dict[tuple, int] = {}
+  taken = _TakenPaths(mox)
 
   def group_node(m: Match, eqns) -> Mox:
-    base = (*m.path, name)
-    n = used_paths.get(base, 0)
-    used_paths[base] = n + 1
-    path = base if n == 0 else (*m.path, f'{name}_{n}')
+    path = taken.fresh(tuple(m.path), name)
     return Mox(m.inputs, m.outputs, {'name': name}, children=eqns,
                module_ty=None, entrypoint=None, path=path,
                in_tree=jax.tree_util.tree_structure((tuple(m.inputs), {})),
@@ -1074,8 +1143,10 @@ def group(pattern, mox: Mox, name: str, *, within=None) -> Mox:
   **Returns:** a new tree in which each match is a ``module_call`` with
   ``module_ty=None``, ``params={'name': name}``, the match's inputs and
   outputs, the matched equations as children and the path
-  ``(*enclosing path, name)`` (``name_1``, ... for further matches in the
-  same module). Evaluation is unchanged. Equations of the body that depend
+  ``(*enclosing path, name)``, or ``name_1``, ``name_2`` ... when that
+  path is taken (by a module call of the tree, a module whose variables the
+  tree reads or its arguments hold, or an earlier group): a group's path
+  never equals an existing module's. Evaluation is unchanged. Equations of the body that depend
   on an output of a match but sit between its equations move after the new
   node.
   """
