@@ -23,8 +23,11 @@ How matching works:
 3. The pattern is traced again at exactly those shapes and dtypes (cached
    per signature) and walked again, now comparing params, literals, shapes
    and dtypes. A match must also be *closed*: no value computed inside it is
-   read outside it, except its outputs; and *convex*: no equation outside it
-   both depends on one of its outputs and feeds one of its inputs.
+   read outside it, except its outputs; and *convex*: no node outside it
+   both depends on one of its outputs and feeds one of its inputs, where a
+   module call reads also what its body reads through closed-over values,
+   and each earlier match counts as one node (so the matches returned can
+   all be grouped: none reads another's output in a cycle).
 
 Matches never overlap; earlier ones (by the anchor's place in evaluation
 order) win. A match lives in one body: the children of one module call (or of
@@ -96,6 +99,10 @@ class _Index:
     self.readers: dict[Symbol, list[Expr]] = {}
     self.consts: dict[Symbol, Any] = {}
     self.bodies: list[Mox] = []
+    # id(node) -> the node whose children hold it (a body or module call
+    # for a child; the equation for a body it holds), for top_child.
+    self.parent: dict[int, Expr] = {}
+    self._positions: dict[int, dict[int, int]] = {}
     counter = itertools.count()
 
     def add_reader(sym, node):
@@ -109,6 +116,7 @@ class _Index:
       for sym, value in zip(body.constvars, body.consts, strict=True):
         self.consts[sym] = value
       for child in body.children:
+        self.parent[id(child)] = body
         if isinstance(child, Mox):
           for sym in child.inputs:
             add_reader(sym, child)
@@ -123,11 +131,34 @@ class _Index:
         for sym in child.outputs:
           self.producer[sym] = child
         for inner in child.children:
+          self.parent[id(inner)] = child
           visit_body(inner, path)
       for sym in body.outputs:
         add_reader(sym, body)
 
     visit_body(root, root.path)
+
+  def top_child(self, node: Expr, body: Mox) -> Expr | None:
+    """The child of ``body`` that is or holds ``node`` (a reader found
+    inside a module call of the body, e.g. one that reads a value of the
+    body through a closed-over field); None when ``node`` is not under
+    ``body`` (or is ``body`` itself)."""
+    while node is not body:
+      parent = self.parent.get(id(node))
+      if parent is None:
+        return None
+      if parent is body:
+        return node
+      node = parent
+    return None
+
+  def positions(self, body: Mox) -> dict[int, int]:
+    """``id(child) -> its place`` among the children of ``body``."""
+    pos = self._positions.get(id(body))
+    if pos is None:
+      pos = self._positions[id(body)] = {
+          id(c): i for i, c in enumerate(body.children)}
+    return pos
 
   def equations_in(self, bodies) -> list[Equation]:
     out = []
@@ -505,10 +536,11 @@ class _Search:
   """
 
   def __init__(self, trace: _Trace, index: _Index, used: set, exact: bool,
-               memo: dict):
+               memo: dict, groups: dict | None = None):
     self.t = trace
     self.ix = index
     self.used = used
+    self.groups = groups  # earlier matches, see _convexity
     self.exact = exact
     self.memo = memo
     self.best: tuple[int, str] = (-1, '')  # deepest failure, for explain
@@ -658,7 +690,7 @@ class _Search:
                 f'the value {sym.type_str} computed by {_tdesc(e)} inside '
                 f'the match is also read by {_reader_desc(reader, self.body)}, so '
                 'the match would not be closed (only outputs may escape)'))
-    why = _convexity(self.body, matched, ix)
+    why = _convexity(self.body, matched, ix, self.groups)
     if why:
       return self.fail(depth, why)
     return env, eqmap
@@ -705,24 +737,55 @@ def _reader_desc(reader, body: Mox) -> str:
   return f"the module call at '{'/'.join(reader.path) or '<root>'}'"
 
 
-def _convexity(body: Mox, matched: set, ix: _Index) -> str | None:
-  """Why the matched equations cannot become one node, or None."""
-  positions = [i for i, c in enumerate(body.children) if id(c) in matched]
-  first, last = positions[0], positions[-1]
-  tainted: set[Symbol] = set()
-  for e in body.children[first:last + 1]:
-    if id(e) in matched:
-      tainted.update(e.outputs)
-  for c in body.children[first:last + 1]:
-    if id(c) in matched:
-      continue
-    if any(s in tainted for s in c.inputs):
-      tainted.update(c.outputs)
-      readers = [r for s in c.outputs for r in ix.readers.get(s, ())
-                 if id(r) in matched]
-      if readers:
-        return (f'{_node_desc(c)} depends on an output of the match and '
-                'feeds one of its inputs, so the match cannot be one node')
+def _convexity(body: Mox, matched: set, ix: _Index,
+               groups: dict | None = None) -> str | None:
+  """Why the matched equations cannot become one node, or None.
+
+  They cannot when some node of the body outside them depends on one of
+  their outputs and feeds one of them: grouping would make a cycle. A node
+  reads what its inputs name and, for a module call, whatever its body
+  reads from outside it (a closed-over value). ``groups`` maps ``id`` of
+  each equation of an earlier accepted match (in any body) to that match's
+  outputs: an earlier match becomes one node too, so reaching any of its
+  equations reaches all its outputs (two matches that read each other's
+  outputs would group into a cycle).
+  """
+  groups = groups or {}
+  pos = ix.positions(body)
+  # A node after the match's last equation feeds none of it (a body is in
+  # evaluation order); an earlier match may still, through an output made
+  # before that point, so it is followed whatever its place.
+  last = max(pos[i] for i in matched if i in pos)
+  frontier = [s for c in body.children if id(c) in matched for s in c.outputs]
+  seen_nodes: set[int] = set()
+  seen_syms: set = set(frontier)
+  while frontier:
+    sym = frontier.pop()
+    for reader in ix.readers.get(sym, ()):
+      top = ix.top_child(reader, body)
+      if top is None or id(top) in matched:
+        continue
+      key = id(top)
+      outs = top.outputs
+      group = groups.get(key)
+      if group is not None:
+        key, outs = id(group), group
+      elif pos.get(key, last) > last:
+        continue
+      if key in seen_nodes:
+        continue
+      seen_nodes.add(key)
+      for out in outs:
+        for r in ix.readers.get(out, ()):
+          t = ix.top_child(r, body)
+          if t is not None and id(t) in matched:
+            what = (_node_desc(top) if group is None else
+                    f'an earlier match (at {_node_desc(top)})')
+            return (f'{what} depends on an output of the match and feeds '
+                    'one of its inputs, so the match cannot be one node')
+        if out not in seen_syms:
+          seen_syms.add(out)
+          frontier.append(out)
   return None
 
 
@@ -777,6 +840,9 @@ class _Matcher:
     for e in self.ix.equations_in(self.bodies):
       self.by_prim.setdefault(e.prim.name, []).append(e)
     self.counts = {k: len(v) for k, v in self.by_prim.items()}
+    # id(equation) -> outputs of the accepted match holding it: a later
+    # match must stay groupable together with the earlier ones.
+    self.groups: dict[int, list[Symbol]] = {}
 
   def _candidate_dtypes(self, te: Equation) -> list:
     """Dtypes to probe the pattern at for a candidate anchored at ``te``:
@@ -855,7 +921,7 @@ class _Matcher:
     for i, pe in enumerate(trace.eqns):
       if pe.prim.name != te.prim.name:
         continue
-      search = _Search(trace, self.ix, used, True, self.memo)
+      search = _Search(trace, self.ix, used, True, self.memo, self.groups)
       found = search.run(i, te)
       if found is not None:
         env, eqmap = found
@@ -890,6 +956,8 @@ class _Matcher:
         continue
       matches.append(m)
       used.update(id(e) for e in m.equations)
+      outs = list(m.outputs)
+      self.groups.update((id(e), outs) for e in m.equations)
     matches.sort(key=lambda m: self.ix.order[id(m.equations[0])])
     return matches
 
@@ -915,7 +983,11 @@ def match(pattern, mox: Mox, *, within=None) -> list[Match]:
   match is a set of equations in one body (a module call's children, or a
   ``scan``/``checkpoint`` body's) that compute the pattern's outputs from its
   inputs with the same primitives, params and literals, from which no value
-  but the outputs escapes. Matches do not overlap; earlier ones win.
+  but the outputs escapes. Matches do not overlap, and the list can be
+  grouped together (``yax.group``): no node outside a match (another match
+  counting as one node, a module call counting what its body reads through
+  closed-over values) both depends on its outputs and feeds it. Earlier ones
+  in evaluation order win.
 
   Raises ``yax.PatternError`` when the pattern cannot be used (it computes
   nothing, is not connected, cannot be traced at any probe shape).
@@ -986,6 +1058,18 @@ def _check_matches(matches: Sequence[Match], mox: Mox, what: str):
         raise SubstitutionError(
             f'{what}: match {pos} ({m!r}) overlaps an earlier one')
       seen.add(id(e))
+  # Each match must become one node together with the earlier ones: no
+  # node outside it (an earlier match counting as one node) both depends on
+  # one of its outputs and feeds it, which would make the grouping cyclic.
+  groups: dict[int, list[Symbol]] = {}
+  for pos, m in enumerate(matches):
+    why = _convexity(m._body, {id(e) for e in m.equations}, ix, groups)
+    if why:
+      raise SubstitutionError(
+          f'{what}: match {pos} ({m!r}) cannot be grouped together with the '
+          f'earlier ones: {why}')
+    outs = list(m.outputs)
+    groups.update((id(e), outs) for e in m.equations)
   return ix
 
 
@@ -1061,6 +1145,23 @@ def _iter_calls(root: Mox):
     stack.extend(getattr(node, 'children', ()))
 
 
+def _reads(node: Expr, memo: dict) -> set:
+  """The symbols a child of a body reads from that body: an equation's
+  inputs; for a module call, its inputs and whatever its body reads (a
+  module call is not a scope: its body may read a value of the enclosing
+  body that is not among its inputs, e.g. an array held in a module
+  field). Bodies held by equations are scopes of their own."""
+  if not isinstance(node, Mox):
+    return set(node.inputs)
+  out = memo.get(id(node))
+  if out is None:
+    out = set(node.inputs)
+    for child in node.children:
+      out |= _reads(child, memo)
+    memo[id(node)] = out
+  return out
+
+
 def group_matches(mox: Mox, matches: Sequence[Match], name: str):
   """A new tree with each match wrapped in an ephemeral module call.
 
@@ -1082,6 +1183,7 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
                out_tree=jax.tree_util.tree_structure(tuple(m.outputs)))
 
   renamed: dict[int, Equation] = {}  # id(old equation) -> rebuilt one
+  reads_memo: dict[int, set] = {}
 
   def regroup(children: list, ms) -> list:
     for pos, m in ms:
@@ -1095,7 +1197,7 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
       for c in children[first:last + 1]:
         if id(c) in ids:
           continue
-        if any(s in tainted for s in c.inputs):
+        if any(s in tainted for s in _reads(c, reads_memo)):
           tainted.update(c.outputs)
           after.append(c)
         else:
