@@ -312,6 +312,50 @@ def test_within_restricts_the_search():
     yax.match(exact_gelu, mox, within='//module_call/@name')
 
 
+def _odd_withins(mox, other):
+  sin = yax.query('//sin', mox)[0]
+  return [
+      (5, 'found an int'), (1.5, 'found a float'), (True, 'found a bool'),
+      (b'//module_call', 'found a bytes'), ({'a': 1}, 'found a dict'),
+      (object(), 'found an object'),
+      ([5], 'selected an int'), ([None], 'selected a NoneType'),
+      ('count(//sin)', 'evaluates to the float 1.0'),
+      ('true()', 'evaluates to the bool True'),
+      ('string(//sin/@primitive)', "evaluates to the str 'sin'"),
+      ('//sin/@primitive', "selected a str \\('sin'\\)"),
+      ('//sin', 'selected an Equation'), (sin, 'selected an Equation'),
+      ('//input', 'selected a Var'), ([mox, sin], 'selected an Equation'),
+      ('//nothing', 'selected nothing'), ([], 'selected nothing'),
+      (other, 'not a module call of this tree'),
+      ([other.children[0]], 'not a module call of this tree'),
+      ('//[', 'not a usable XPath expression'),
+  ]
+
+
+def test_odd_within_values_raise_pattern_error_naming_the_selection():
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Mlp(name='inner')(jnp.sin(x))
+
+  x = jnp.ones((2, 3))
+  v = Outer().init(jax.random.key(0), x)
+  mox = yax.make_mox(Outer().apply)(v, x)
+  other = yax.make_mox(Outer().apply)(v, x)
+  for within, message in _odd_withins(mox, other):
+    with pytest.raises(yax.PatternError, match=message):
+      yax.match(exact_gelu, mox, within=within)
+    with pytest.raises(yax.PatternError, match=message):
+      yax.group(exact_gelu, mox, 'g', within=within)
+  with pytest.raises(yax.XPathError):  # a bad expression is also that
+    yax.match(exact_gelu, mox, within='//[')
+  # Module calls of this tree, however given, work.
+  (inner,) = yax.query('//module_call[@name="inner"]', mox)
+  for within in (inner, [inner], (inner,), iter([inner, inner]),
+                 '//module_call[@name="inner"]'):
+    assert len(yax.match(exact_gelu, mox, within=within)) == 2
+
+
 class ScanBlock(nn.Module):
   act: object = exact_gelu
 

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax._errors import PatternError, SubstitutionError
+from yax._errors import PatternError, SubstitutionError, XPathError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
 
 __all__ = ['Match', 'match', 'group', 'explain_match', 'trace_like']
@@ -797,22 +797,80 @@ def _node_desc(node) -> str:
 
 # ---------------------------------------------------------------- match
 
+class WithinXPathError(PatternError, XPathError):
+  """``within=`` is an XPath expression that does not compile or evaluate:
+  both a :class:`PatternError` (a bad ``within``) and an
+  :class:`XPathError` (a bad expression)."""
+
+
+def _short_repr(value) -> str:
+  try:
+    text = repr(value)
+  except Exception:  # noqa: BLE001 - an object whose repr fails
+    text = f'<{type(value).__name__} object>'
+  text = ' '.join(text.split())
+  return text if len(text) <= 120 else text[:117] + '...'
+
+
+def _a(value) -> str:
+  name = type(value).__name__
+  return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def _searched_bodies(mox: Mox, within, index: _Index) -> list[Mox]:
+  """The bodies that ``within=`` selects: module calls of this tree (given
+  as an XPath expression, a node, or an iterable of nodes) and every body
+  under them. Anything else raises ``PatternError`` naming what was
+  selected."""
   if within is None:
     return index.bodies
+  what = _short_repr(within)
   if isinstance(within, str):
     from yax._query import query
-    nodes = query(within, mox)
+    try:
+      nodes = query(within, mox)
+    except XPathError as e:
+      raise WithinXPathError(
+          f'within= selects module calls, but {what} is not a usable XPath '
+          f'expression: {e}') from e
+    if not isinstance(nodes, list):
+      raise PatternError(
+          f'within= selects module calls, but {what} evaluates to '
+          f'the {type(nodes).__name__} {_short_repr(nodes)}, not to nodes; '
+          'end the XPath at a module_call element')
+  elif isinstance(within, Expr):
+    nodes = [within]
+  elif isinstance(within, (bytes, bytearray, dict)) or not hasattr(
+      within, '__iter__'):
+    raise PatternError(
+        f'within= selects module calls (an XPath expression, a Mox or a '
+        f'list of them), but found {_a(within)}: {what}')
   else:
-    nodes = [within] if isinstance(within, Expr) else list(within)
-  calls = []
+    try:
+      nodes = list(within)
+    except Exception as e:  # noqa: BLE001 - an iterable that fails
+      raise PatternError(
+          f'within= selects module calls, but iterating {what} failed: '
+          f'{type(e).__name__}: {e}') from e
+  if not nodes:
+    raise PatternError(
+        f'within= selects module calls, but {what} selected nothing; it '
+        'must select the module calls of the tree to search in')
+  calls, seen = [], set()
   for node in nodes:
     if not isinstance(node, Mox):
       raise PatternError(
-          f'within= selects module calls, but {within!r} matched a '
-          f'{type(node).__name__} ({node!r}); end the XPath at a '
-          'module_call element')
-    calls.append(node)
+          f'within= selects module calls, but {what} selected {_a(node)} '
+          f'({_short_repr(node)}); end the XPath at a module_call element')
+    if index.path_of.get(id(node)) is None and node is not index.root:
+      raise PatternError(
+          f'within= selects module calls of this tree, but {what} selected '
+          f'{_short_repr(node)}, which is not a module call of this tree '
+          '(of another tree, or of an older version of this one); select '
+          'it in this tree')
+    if id(node) not in seen:
+      seen.add(id(node))
+      calls.append(node)
   return _bodies_under(calls)
 
 
@@ -990,7 +1048,11 @@ def match(pattern, mox: Mox, *, within=None) -> list[Match]:
   in evaluation order win.
 
   Raises ``yax.PatternError`` when the pattern cannot be used (it computes
-  nothing, is not connected, cannot be traced at any probe shape).
+  nothing, is not connected, cannot be traced at any probe shape), and when
+  ``within`` selects anything but module calls of this tree, or nothing
+  (an XPath that does not compile raises an error that is both a
+  ``PatternError`` and an ``XPathError``); the message names what was
+  selected.
 
   Example::
 
