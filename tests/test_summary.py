@@ -221,6 +221,52 @@ def test_conv_and_scan_flops():
   assert _summary.flops(yax.make_mox(g)(c, xs)) == 5 * 2 * 2 * 3 * 3
 
 
+CONV_CONFIGS = [
+    # lhs (NCHW), rhs (OIHW), strides, padding, lhs_dilation, rhs_dilation,
+    # feature_group_count
+    ((2, 3, 9, 9), (4, 3, 3, 3), (1, 1), 'SAME', (1, 1), (1, 1), 1),
+    ((2, 3, 9, 9), (4, 3, 3, 3), (2, 2), 'SAME', (1, 1), (1, 1), 1),
+    ((2, 3, 10, 9), (4, 3, 3, 2), (2, 3), 'VALID', (1, 1), (1, 1), 1),
+    ((2, 3, 9, 9), (4, 3, 3, 3), (1, 1), 'SAME', (1, 1), (2, 2), 1),
+    ((2, 3, 9, 9), (4, 3, 3, 3), (1, 1), ((2, 1), (0, 3)), (2, 2), (1, 2), 1),
+    ((1, 3, 12, 11), (6, 3, 5, 4), (3, 2), ((1, -1), (2, 2)), (1, 3), (2, 1),
+     1),
+    ((2, 4, 9, 9), (6, 2, 3, 3), (2, 1), 'SAME', (1, 1), (3, 1), 2),
+    ((1, 2, 7, 7), (3, 2, 4, 4), (3, 3), ((3, 3), (3, 3)), (2, 3), (1, 1), 1),
+    ((1, 8, 16), (8, 1, 5), (1,), 'SAME', (1,), (2,), 8),  # depthwise 1-D
+]
+
+
+@pytest.mark.parametrize('cfg', CONV_CONFIGS)
+def test_conv_flops_equal_xla_at_any_padding_stride_and_dilation(cfg):
+  lhs, rhs, strides, padding, lhs_dil, rhs_dil, groups = cfg
+  x = jax.random.normal(jax.random.key(0), lhs)
+  w = jax.random.normal(jax.random.key(1), rhs)
+  f = lambda x, w: jax.lax.conv_general_dilated(
+      x, w, strides, padding, lhs_dil, rhs_dil,
+      feature_group_count=groups)
+  mox = yax.make_mox(f)(x, w)
+  lowered = jax.jit(f).lower(x, w)
+  assert _summary.flops(mox) == round(xla_cost_flops(lowered))
+  assert _summary.flops(mox) == round(xla_cost_flops(lowered.compile()))
+
+
+def test_conv_flops_of_flax_convs_equal_xla():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(8, (3, 3), strides=2, padding='SAME', use_bias=False)(x)
+      x = nn.Conv(8, (3, 3), kernel_dilation=2, padding='SAME',
+                  use_bias=False)(x)
+      return nn.ConvTranspose(4, (3, 3), strides=(2, 2), use_bias=False)(x)
+
+  x = jnp.ones((2, 15, 15, 3))
+  v = Net().init(jax.random.key(0), x)
+  mox = yax.make_mox(Net().apply)(v, x)
+  compiled = jax.jit(Net().apply).lower(v, x).compile()
+  assert _summary.flops(mox) == round(xla_cost_flops(compiled))
+
+
 def test_unknown_primitives_are_reported():
   prim = jax.extend.core.Primitive('yax_test_unknown')
   prim.def_impl(lambda x: x)

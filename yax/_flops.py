@@ -7,8 +7,10 @@ HLO cost analysis (what ``jax.jit(f).lower(...).cost_analysis()`` and
 compared:
 
 * ``dot_general``: ``2 * M * N * K`` (a multiply-accumulate is two FLOPs);
-  ``conv_general_dilated``: two per multiply-accumulate of every output
-  element (padded positions included).
+  ``conv_general_dilated``: two per multiply-accumulate that reads a real
+  input element (taps on padding or on the holes of an input dilation are
+  not counted, as in XLA), so the count equals XLA's at any padding,
+  stride and dilation.
 * element-wise arithmetic, comparisons, ``select_n`` and
   ``convert_element_type``: one per output element (``integer_pow`` as many
   as the multiplications of square-and-multiply, ``logistic`` four).
@@ -73,11 +75,69 @@ def _dot_general(ins, outs, params) -> int:
   return 2 * _size(outs[0]) * k
 
 
+def _valid_positions(size_in: int, size_k: int, size_out: int, stride: int,
+                     pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+  """Pairs (output position, kernel position) along one spatial dimension
+  whose input position is a real input element: not padding, not a hole
+  of the input (base) dilation. XLA's cost analysis counts a convolution's
+  multiply-accumulates over exactly these pairs.
+
+  Output ``o`` and kernel tap ``k`` read the dilated input at
+  ``u = o * stride - pad_lo + k * rhs_dil``, a real element when
+  ``u % lhs_dil == 0`` and ``0 <= u // lhs_dil < size_in``. For each ``k``
+  the valid ``o`` form an arithmetic progression, counted in O(1).
+  """
+  stride, lhs_dil = max(int(stride), 1), max(int(lhs_dil), 1)
+  last = (size_in - 1) * lhs_dil  # the last real element, dilated
+  total = 0
+  for k in range(size_k):
+    c = k * rhs_dil - pad_lo  # u = o * stride + c
+    lo = max(0, _ceil_div(-c, stride))
+    hi = min(size_out - 1, (last - c) // stride)
+    if lo > hi:
+      continue
+    if lhs_dil == 1:
+      total += hi - lo + 1
+      continue
+    # o * stride + c = 0 (mod lhs_dil)
+    g = math.gcd(stride, lhs_dil)
+    if c % g:
+      continue
+    m = lhs_dil // g
+    o0 = (-c // g) * pow(stride // g, -1, m) % m if m > 1 else 0
+    first = lo + (o0 - lo) % m
+    if first <= hi:
+      total += (hi - first) // m + 1
+  return total
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -((-a) // b)
+
+
 def _conv(ins, outs, params) -> int:
-  rhs = ins[1].shape
-  out_feature_dim = params['dimension_numbers'].rhs_spec[0]
-  per_output = math.prod(rhs) // max(rhs[out_feature_dim], 1)
-  return 2 * _size(outs[0]) * per_output
+  """Two FLOPs per multiply-accumulate with a real input element, as XLA's
+  cost analysis counts them: taps that fall on padding or between the
+  elements of a dilated input are not counted (SAME padding, strides and
+  dilation all change the count)."""
+  lhs, rhs, out = ins[0].shape, ins[1].shape, outs[0].shape
+  dn = params['dimension_numbers']
+  lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  n_spatial = len(lhs_spec) - 2
+  strides = params.get('window_strides') or (1,) * n_spatial
+  padding = params.get('padding') or ((0, 0),) * n_spatial
+  lhs_dil = params.get('lhs_dilation') or (1,) * n_spatial
+  rhs_dil = params.get('rhs_dilation') or (1,) * n_spatial
+  valid = 1
+  for i in range(n_spatial):
+    valid *= _valid_positions(
+        lhs[lhs_spec[2 + i]], rhs[rhs_spec[2 + i]], out[out_spec[2 + i]],
+        strides[i], padding[i][0], lhs_dil[i], rhs_dil[i])
+  groups = max(int(params.get('feature_group_count', 1) or 1), 1)
+  batch_groups = max(int(params.get('batch_group_count', 1) or 1), 1)
+  in_features = lhs[lhs_spec[1]] // groups
+  batch = lhs[lhs_spec[0]] // batch_groups
+  return 2 * batch * in_features * out[out_spec[1]] * valid
 
 
 def _reduce(ins, outs, params) -> int:
