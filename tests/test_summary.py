@@ -117,6 +117,47 @@ def _xla(cost) -> float:
   return cost.get('flops', 0) + cost.get('transcendentals', 0)
 
 
+class DictParam(nn.Module):
+  """A param whose value is a dict of arrays."""
+
+  @nn.compact
+  def __call__(self, x):
+    p = self.param('p', lambda k: {'a': jnp.ones((3,)),
+                                   'b': jnp.ones((2, 3))})
+    return x * p['a'] + p['b'].sum(0)
+
+
+class WithDictParam(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = DictParam(name='inner')(x)
+    q = self.param('q', lambda k: {'w': jnp.ones((3, 3))})
+    return nn.Dense(3, name='fc')(h @ q['w'])
+
+
+@pytest.mark.parametrize('hf_style', [False, True])
+def test_a_param_whose_value_is_a_dict_is_counted(hf_style):
+  model = WithDictParam()
+  x = jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  if hf_style:
+    mox = yax.make_mox(lambda p, x: model.apply({'params': p}, x))(
+        variables['params'], x)
+  else:
+    mox = yax.make_mox(model.apply)(variables, x)
+  params = variables['params']
+  rows = {r.path: r for r in yax.summary(mox)}
+  assert rows[''].params == _count(params) == 3 + 6 + 9 + 12
+  assert rows[''].own_params == _count(params['q']) == 9
+  assert rows[''].variables == ('q/w: f32[3,3]',)
+  assert rows['inner'].params == rows['inner'].own_params == \
+      _count(params['inner']) == 9
+  assert rows['inner'].variables == ('p/a: f32[3]', 'p/b: f32[2,3]')
+  assert rows['fc'].params == _count(params['fc'])
+  assert _summary.total_params(mox) == (_count(params), 4 * _count(params))
+  assert 'Total params: 30 (120 B)' in _summary.format_summary(mox)
+
+
 def test_helper_methods_are_folded_into_their_module():
   m = Heads()
   x = jnp.ones((3, 4))
