@@ -9,6 +9,7 @@ is missing. Set ``YAX_VIEWER_PNG=/some/path.png`` to keep a screenshot.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -184,6 +185,80 @@ def test_viewer_nested_bodies(browser, tmp_path):
   assert _row(page, cell).is_visible()  # revealed through the scan body
   assert errors == []
   page.close()
+
+
+# --------------------------------------------- any title, any field text
+
+ODD_TEXTS = [
+    '</script><script>throw new Error("x")</script>',
+    '<!-- a comment that never ends',
+    '<!--<script>',
+    '@@TITLE@@ @@CSS@@ @@JS@@ @@DATA@@',
+    '"quotes" \'and\' \\backslashes\\ & &amp; ]]> <![CDATA[',
+    'controls \x00\x01\x08\x0b\x1f\x7f and lines \u2028\u2029',
+    'lone surrogate \udc80 and \ud83d',
+    'emoji \U0001F600 and \ufeff BOM',
+]
+
+
+def _odd_mox(text):
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Labelled(nn.Module):
+    label: str = ''
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(x)
+
+  m = Labelled(label=text)
+  x = jnp.ones((1, 3))
+  return yax.make_mox(m.apply)(m.init(jax.random.key(0), x), x)
+
+
+@pytest.mark.parametrize('compress', [True, False], ids=['gzip', 'plain'])
+@pytest.mark.parametrize('text', ODD_TEXTS, ids=range(len(ODD_TEXTS)))
+def test_viewer_loads_for_any_title_and_field_text(browser, tmp_path, text,
+                                                   compress):
+  mox = _odd_mox(text)
+  path = tmp_path / 'odd.html'
+  _html.write_html(mox, path, title=text, compress=compress)
+  page, errors, requests = _open(browser, path)  # waits for data-ready
+  assert errors == []
+  # The title is shown as the text it is, never read as markup or template
+  # (characters a document cannot hold, such as NUL or a lone surrogate,
+  # as Python escapes: \x00, \udc80).
+  shown = re.sub('[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]',
+                 lambda m: m.group().encode('unicode_escape').decode(), text)
+  assert page.text_content('#title') == shown
+  assert page.locator('#yax-data').count() == 1
+  assert page.locator('script').count() == 2  # the data and the viewer
+  # The page holds the data: its XPath finds the module and the field
+  # (as dump_xml wrote it).
+  assert _search(page, '//module_call[@type="Labelled"]') == '1 of 1'
+  label = 'string(//module_call[@type="Labelled"]/@label)'
+  assert _search(page, label) == f'= "{yax.query(label, mox)}"'
+  assert all(u.startswith(('file:', 'data:', 'blob:')) for u in requests)
+  page.close()
+
+
+def test_embedded_json_is_json_and_never_markup():
+  """Without a browser: the plain payload parses as JSON to the same data,
+  and holds no character the HTML parser reads inside <script>."""
+  import json
+  mox = _odd_mox(ODD_TEXTS[0] + ODD_TEXTS[1])
+  for text in ODD_TEXTS:
+    page = _html.render_html(mox, title=text, compress=False)
+    (body,) = re.findall(r'<script id="yax-data"[^>]*>(.*?)</script>', page,
+                         re.S)
+    assert not set('<>&') & set(body)
+    assert json.loads(body) == json.loads(json.dumps(
+        _html.payload(mox, title=text)))
+    # The template markers appear once each in the template, and a title
+    # that spells them is not substituted again.
+    assert page.count('<style>') == 1 and page.count('id="yax-data"') == 1
 
 
 # ------------------------------------------------- navigation and data flow

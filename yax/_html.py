@@ -40,8 +40,10 @@ import gzip
 import html
 import io
 import json
+import re
 
 from yax import _summary
+from yax._format import escape_text
 from yax._ir import Equation, Expr, Mox
 from yax._serialize import dump_xml, xml_view
 from yax._version import __version__
@@ -96,9 +98,37 @@ def payload(mox: Expr, *, title: str = 'yax') -> dict:
 
 
 def _script_json(data) -> str:
-  """JSON safe inside a <script> element."""
-  text = json.dumps(data, separators=(',', ':'))
-  return text.replace('</', '<\\/').replace('<!--', '<\\!--')
+  """JSON safe inside a <script> element, and still JSON.
+
+  Inside ``<script>`` the HTML parser ends the element at ``</script`` and
+  treats ``<!--`` and ``<script`` specially, whatever the JSON means; so no
+  ``<`` (nor ``>`` and ``&``, for good measure) may appear literally. They
+  can only occur inside JSON strings, where ``\\u003c`` and friends are
+  valid escapes that ``JSON.parse`` turns back into the same characters
+  (``<\\!--`` would not be: ``\\!`` is not a JSON escape). Non-ASCII
+  characters (lone surrogates included) are escaped as well.
+  """
+  text = json.dumps(data, separators=(',', ':'), ensure_ascii=True)
+  return (text.replace('<', '\\u003c').replace('>', '\\u003e')
+          .replace('&', '\\u0026'))
+
+
+def _html_text(text: str) -> str:
+  """``text`` escaped for HTML. Characters that a document cannot hold
+  (NUL, which the HTML parser drops, other control characters, lone
+  surrogates, which UTF-8 cannot encode) are written as Python escapes
+  (``\\x00``), as the XML view writes them in field text."""
+  return html.escape(escape_text(text), quote=True)
+
+
+_MARKER = re.compile(r'@@(TITLE|CSS|JS|DATA)@@')
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+  """Substitutes the ``@@NAME@@`` markers of ``template`` in ONE pass: the
+  values put in are never searched for markers again (a title that reads
+  ``@@DATA@@`` stays that text)."""
+  return _MARKER.sub(lambda m: values[m.group(1)], template)
 
 
 def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
@@ -120,9 +150,8 @@ def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
   else:
     data_tag = ('<script id="yax-data" type="application/json" '
                 f'data-encoding="json">{_script_json(data)}</script>')
-  return (_TEMPLATE.replace('@@TITLE@@', html.escape(title))
-          .replace('@@CSS@@', _CSS).replace('@@JS@@', _JS)
-          .replace('@@DATA@@', data_tag))
+  return _fill(_TEMPLATE, {'TITLE': _html_text(str(title)), 'CSS': _CSS,
+                           'JS': _JS, 'DATA': data_tag})
 
 
 def write_html(mox: Expr, path, **kwargs) -> int:
