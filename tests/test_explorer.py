@@ -15,6 +15,7 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import yax
@@ -104,6 +105,54 @@ def test_graph_nodes_namespaces_edges_and_attributes(mlp):
   # The output node reads the last multiply.
   (out,) = [n for n in graph.nodes if n.namespace == 'outputs']
   assert by_id[out.incomingEdges[0].sourceNodeId].label == 'mul'
+
+
+TABLE = np.arange(4.0, dtype=np.float32)  # closed over: a root constant
+
+
+class Scaled(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name='fc')(x) * TABLE
+
+
+def test_every_value_has_its_producer_root_constants_included():
+  m, closure = Scaled(), nn.Dense(4)
+  x = jnp.ones((2, 4))
+  variables = m.init(jax.random.key(0), x)
+  closed = closure.init(jax.random.key(1), x)  # its weights: constants too
+  mox = yax.make_mox(lambda v, x: closure.apply(closed, m.apply(v, x)))(
+      variables, x)
+  assert len(mox.consts) == 3
+  graph = yax.to_model_explorer(mox)
+  by_id = {n.id: n for n in graph.nodes}
+  made = {(n.id, meta.id) for n in graph.nodes for meta in n.outputsMetadata}
+  # Independently of the graph: every (equation, input position) that reads
+  # a value (not a literal), and every root output.
+  reads = [(e, k) for e in leaf_equations(mox)
+           for k, s in enumerate(e.inputs) if not isinstance(s, Literal)]
+  ops = [n for n in graph.nodes if 'primitive' in {a.key for a in n.attrs}]
+  assert len(ops) == len(list(leaf_equations(mox)))
+  edges = [(n.id, int(edge.targetNodeInputId)) for n in ops
+           for edge in n.incomingEdges]
+  assert len(edges) == len(reads)
+  for n in graph.nodes:
+    for edge in n.incomingEdges:
+      assert (edge.sourceNodeId, edge.sourceNodeOutputId) in made
+  (out,) = [n for n in graph.nodes if n.namespace == 'outputs']
+  assert len(out.incomingEdges) == 1
+  # The closed-over array is a node of its own, with its values; the
+  # closure module's weights are variable nodes.
+  (const,) = [n for n in graph.nodes if n.namespace == 'constants']
+  attrs = {a.key: a.value for a in const.attrs}
+  assert attrs['type'] == 'f32[4]' and attrs['value'] == '[0., 1., 2., 3.]'
+  (reader,) = [e for e, _ in reads if mox.constvars[0] in e.inputs]
+  (node,) = [n for n, e in zip(ops, leaf_equations(mox)) if e is reader]
+  assert const.id in {e.sourceNodeId for e in node.incomingEdges}
+  const_vars = sorted(n.label for n in graph.nodes
+                      if {'variable', 'constant'} <= {a.key for a in n.attrs})
+  assert const_vars == ['bias', 'kernel']
+  assert all(by_id[e.sourceNodeId] for n in ops for e in n.incomingEdges)
 
 
 def test_graph_json_is_a_graph_collection(mlp, tmp_path):

@@ -8,10 +8,12 @@
   order; its ``namespace`` is the path of the module call it belongs to
   (``encoder/layer/0/attention/self/query``), so Model Explorer nests the
   nodes in collapsible layers, one per module;
-* one node per input of the traced function (namespace ``inputs``) and per
-  output (namespace ``outputs``); one node per module variable, in the
-  namespace of the module that owns it and labelled with its name
-  (``kernel``);
+* one node per input of the traced function (namespace ``inputs``), per
+  constant it closes over (namespace ``constants``) and per output
+  (namespace ``outputs``); one node per module variable (an input, or a
+  constant for a module reached through a closure), in the namespace of the
+  module that owns it and labelled with its name (``kernel``): every value
+  an edge carries has the node that produces it;
 * data-flow edges: an edge from the node that computes a value to every
   node that reads it (values that only cross module boundaries go straight
   from producer to consumer);
@@ -59,6 +61,19 @@ def _attr_text(value) -> str | None:
   if text is not None and len(text) > _MAX_ATTR:
     text = text[:_MAX_ATTR] + ' ...'
   return text
+
+
+def _const_text(value) -> str | None:
+  """A constant's values when it is small (16 elements at most), else what
+  the XML view shows for it (its type)."""
+  try:
+    import numpy as np
+    array = np.asarray(value)
+    if array.size <= 16 and array.dtype.kind in 'biufc':
+      return np.array2string(array, separator=', ', threshold=16)
+  except Exception:  # noqa: BLE001 - a PRNG key or other odd constant
+    pass
+  return _attr_text(value)
 
 
 def _walk(node: Expr, path: str, out: list):
@@ -115,11 +130,15 @@ def to_model_explorer(mox: Mox, *, graph_id: str = 'yax'):
 
   # Variables: a node in the namespace of the module that owns each one.
   owner: dict[int, tuple[str, str]] = {}
+  unlisted = _summary.UnlistedVariables(mox)  # dict-valued Linen params
   for call in _summary.module_calls(mox):
-    for collection, own in _summary.own_variables(call).items():
+    own_vars = _summary.own_variables(call)
+    for collection, extra in unlisted.own(call).items():
+      own_vars[collection] = {**own_vars.get(collection, {}), **extra}
+    for collection, own in own_vars.items():
       for name, sym in own.items():
         key = name if collection == _summary.PARAMS else f'{collection}/{name}'
-        owner[id(sym)] = ('/'.join(call.path), key)
+        owner.setdefault(id(sym), ('/'.join(call.path), key))
   var_ids = set(owner)
   for s in mox.inputs:
     if isinstance(s, Literal) or id(s) in producer:
@@ -130,6 +149,21 @@ def to_model_explorer(mox: Mox, *, graph_id: str = 'yax'):
                                            ('type', s.type_str)])
     else:
       add_node('input', 'inputs', [s], attrs=[('type', s.type_str)])
+  # Constants of the root (arrays the traced function closes over; the
+  # variables of a module reached only through a closure): every value
+  # has the node that produces it.
+  for k, (s, value) in enumerate(zip(mox.constvars, mox.consts)):
+    if id(s) in producer:
+      continue
+    if id(s) in var_ids:
+      namespace, key = owner[id(s)]
+      add_node(key, namespace, [s], attrs=[('variable', key),
+                                           ('constant', str(k)),
+                                           ('type', s.type_str)])
+    else:
+      add_node('constant', 'constants', [s],
+               attrs=[('constant', str(k)), ('type', s.type_str),
+                      ('value', _const_text(value))])
 
   equations: list[tuple[Equation, str]] = []
   _walk(mox, '', equations)
