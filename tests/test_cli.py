@@ -107,6 +107,14 @@ class Result:
   stderr: bytes
 
 
+@pytest.fixture(autouse=True)
+def _no_columns(monkeypatch):
+  """``yax summary`` fits its table to ``COLUMNS`` when set: commands run
+  in this process see no ``COLUMNS`` from the environment the tests were
+  started in (tests that want one set it)."""
+  monkeypatch.delenv('COLUMNS', raising=False)
+
+
 def run_yax(*args, cwd, exe=None, check=True, subprocess_run=False):
   """Runs ``yax ARGS`` in ``cwd``: in this process through ``_cli.main``,
   or, with ``subprocess_run`` (or ``exe``), as ``python -m yax`` (or the
@@ -237,6 +245,28 @@ def test_summary_table(workdir, model):
   assert rows['hidden'][7] == f'{2 * 2 * 4 * 5 + 2 * 5}'
   assert rows['(top)'][1:3] == ['MLP', 'x: f32[2,4]']
   assert rows['(top)'][5:7] == ['', f'{total:,}']
+
+
+@pytest.mark.parametrize('columns', ['100', '120'])
+def test_summary_piped_fits_columns_as_shutil_reads_it(workdir, monkeypatch,
+                                                       columns):
+  monkeypatch.setenv('COLUMNS', columns)
+  assert shutil.get_terminal_size().columns == int(columns)  # shutil's rule
+  out = run_yax('summary', 'yax._bundled:factory', cwd=workdir).stdout.decode()
+  lines = out.splitlines()
+  assert max(len(line) for line in lines) <= int(columns)
+  assert all(line == line.rstrip() for line in lines)
+  # Without COLUMNS, piped output is as wide as the table needs (wider
+  # than 120 for this model), still without trailing spaces.
+  monkeypatch.delenv('COLUMNS')
+  wide = run_yax('summary', 'yax._bundled:factory', cwd=workdir).stdout.decode()
+  assert max(len(line) for line in wide.splitlines()) > 120
+  assert all(line == line.rstrip() for line in wide.splitlines())
+  # An explicit --width wins over COLUMNS.
+  monkeypatch.setenv('COLUMNS', columns)
+  narrow = run_yax('summary', '--width', '140', 'yax._bundled:factory',
+                   cwd=workdir).stdout.decode()
+  assert max(len(line) for line in narrow.splitlines()) > int(columns)
 
 
 def test_summary_depth_and_xla_flops(workdir, model):

@@ -311,8 +311,9 @@ def show(model, output):
 @click.option('--xla-flops', is_flag=True,
               help="Also compile the model once and report XLA's FLOP count.")
 @click.option('--width', type=click.IntRange(min=20), default=None,
-              help='Fit the table in this many columns (default: the '
-              'terminal width; unlimited when not writing to a terminal).')
+              help='Fit the table in this many columns (default: COLUMNS '
+              'when set, else the terminal width; unlimited when not writing '
+              'to a terminal and COLUMNS is not set).')
 @debug_option
 def summary(model, depth, xla_flops, width):
   """Print a table of module calls: path, type, named inputs and outputs,

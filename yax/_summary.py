@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import re
 import shutil
 import sys
@@ -757,12 +758,23 @@ def format_summary(mox: Mox, *, depth: int | None = None,
 
 
 def print_table(mox: Mox, *, file=None, width: int | None = None, **kwargs):
-  """Prints :func:`format_summary`: as wide as the terminal when writing to
-  one (``width`` overrides), as wide as needed otherwise."""
+  """Prints :func:`format_summary` fitted to ``width``; by default the
+  width ``shutil.get_terminal_size`` reads: ``COLUMNS`` when it is set
+  (also when the output is piped), else the terminal's when writing to
+  one. Piped output without ``COLUMNS`` is as wide as needed."""
   file = file if file is not None else sys.stdout
-  if width is None and _isatty(file):
+  if width is None and (_isatty(file) or _columns_set()):
     width = shutil.get_terminal_size().columns
   file.write(format_summary(mox, width=width, **kwargs))
+
+
+def _columns_set() -> bool:
+  """Whether ``COLUMNS`` holds a width ``shutil.get_terminal_size`` uses
+  (a positive integer)."""
+  try:
+    return int(os.environ.get('COLUMNS', '')) > 0
+  except ValueError:
+    return False
 
 
 def _isatty(file) -> bool:
