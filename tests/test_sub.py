@@ -428,3 +428,32 @@ def test_equation_errors_and_callables_see_the_enclosing_module_path():
                            r"call at path '<root>': input 0 .*f32\[4,8\].*"
                            r"f32\[4,16\]"):
     yax.sub('//*[@name="relu"]', gelu, mox)
+
+
+def test_identity_replacement_of_a_module_calls_last_equation():
+  """The replacement has no equations: the module call loses a child and
+  returns its Dense's output; the result is the plain Flax model without
+  its ReLU."""
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.relu(nn.Dense(3)(x))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Block()(x) + 1
+
+  m = Model()
+  x = jnp.linspace(-1, 1, 6).reshape(2, 3)
+  v = m.init(jax.random.key(0), x)
+  mox = yax.make_mox(m.apply)(v, x)
+  ident = yax.make_mox(lambda x: x)(jnp.zeros((2, 3)))
+  new = yax.sub('//module_call[@type="Block"]/*[@name="relu"]', ident, mox)
+  block = yax.query('//module_call[@type="Block"]', new)[0]
+  old_block = yax.query('//module_call[@type="Block"]', mox)[0]
+  assert len(block.children) == len(old_block.children) - 1
+  dense = {'params': v['params']['Block_0']['Dense_0']}
+  expected = nn.Dense(3).apply(dense, x) + 1
+  np.testing.assert_allclose(yax.eval_mox(new, v, x), expected, rtol=1e-6)
+  assert not np.allclose(yax.eval_mox(mox, v, x), expected)

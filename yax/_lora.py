@@ -53,7 +53,7 @@ from yax._containers import get_in, set_in, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax import _nnx
-from yax._sub import (NNX_GROUP, Selection, _dyn, _rel_keys, collections_of,
+from yax._sub import (NNX_GROUP, Selection, collections_of, non_literals,
                       describe, root_keypaths, select, substitute, var_keys,
                       var_kind)
 from yax._trace import make_mox
@@ -124,11 +124,11 @@ def _layout(node: Mox) -> _Layout | str:
   where = f"the module call {describe(node)[len('module_call '):]}"
   if kernel is None or kernel.aval is None or kernel.aval.ndim < 2:
     found = ', '.join('/'.join(k) + ':' + s.type_str
-                      for k, s in zip(_rel_keys(node), node.var_inputs))
+                      for k, s in zip(var_keys(node), node.var_inputs))
     return (f"lora expects Dense-like module calls (a 'params/kernel' variable "
             f"of shape [..., in, out]), but {where} has variables "
             f"[{found or 'none'}]")
-  xs, ys = _dyn(node.arg_inputs), _dyn(node.outputs)
+  xs, ys = non_literals(node.arg_inputs), non_literals(node.outputs)
   shape = tuple(kernel.aval.shape)
   supported = ('lora supports a kernel [in, out] (nn.Dense and Dense-like '
                'modules) and an nn.DenseGeneral kernel [*in_axes, *features] '
@@ -195,7 +195,7 @@ def _traced_adapter(x_shape, x_dtype, y_shape, y_dtype, n_in, d_in, rank,
 def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
   kernel = _kernel(node)
-  x, y = _dyn(node.arg_inputs)[0], _dyn(node.outputs)[0]
+  x, y = non_literals(node.arg_inputs)[0], non_literals(node.outputs)[0]
   dtype = kernel.aval.dtype
   adapter = _traced_adapter(
       tuple(x.aval.shape), x.aval.dtype, tuple(y.aval.shape), y.aval.dtype,
@@ -207,7 +207,7 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
   a = Var(jax.core.ShapedArray((layout.d_in, rank), dtype))
   b = Var(jax.core.ShapedArray((rank, layout.d_out), dtype))
   # Wire the adapter's inputs (y, x, a, b) to the node's symbols.
-  y_in, x_in, a_in, b_in = _dyn(adapter.inputs)
+  y_in, x_in, a_in, b_in = non_literals(adapter.inputs)
   wiring = {y_in: y, x_in: x, a_in: a, b_in: b}
 
   def wired(sym):

@@ -114,11 +114,6 @@ def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
           for keys, sym in zip(var_keys(mox), mox.var_inputs, strict=True)]
 
 
-def _rel_keys(mox: Mox) -> list[tuple]:
-  """Keys of each variable inside the module: ('params', 'kernel')."""
-  return var_keys(mox)
-
-
 def _insert(tree, keys: Sequence, value):
   """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
   return set_in(tree, keys, value)
@@ -131,7 +126,14 @@ def _same_type(a: Symbol, b: Symbol) -> bool:
           and a.aval.dtype == b.aval.dtype)
 
 
-def _dyn(symbols):
+def _same_nodes(new: Sequence, old: Sequence) -> bool:
+  """The same nodes, in order: a splice that changes the number of children
+  (a replacement with no equations, or with several) is a change."""
+  return len(new) == len(old) and all(a is b for a, b in zip(new, old))
+
+
+def non_literals(symbols) -> list[Symbol]:
+  """The symbols that are not literals, in order."""
   return [s for s in symbols if not isinstance(s, Literal)]
 
 
@@ -247,7 +249,7 @@ class _Substitution:
     outputs = [self.rename(s) for s in node.outputs]
     if not frame.new_vars and not frame.new_args:
       if (inputs == node.inputs and outputs == node.outputs and
-          all(a is b for a, b in zip(children, node.children))):
+          _same_nodes(children, node.children)):
         return node
       return node.replace(inputs=inputs, outputs=outputs, children=children)
     var_inputs, var_tree = self._grow_vars(
@@ -328,7 +330,7 @@ class _Substitution:
             '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
             'arguments of the node it replaces')
       outputs = [self.rename(s) for s in body.outputs]
-      if (any(a is not b for a, b in zip(children, body.children))
+      if (not _same_nodes(children, body.children)
           or outputs != body.outputs or frame.new_consts):
         body = body.replace(children=children, outputs=outputs)
       if frame.new_consts:
@@ -370,7 +372,7 @@ class _Substitution:
       if not any(f.is_body for f in self.stack):
         for loc, var in outer_vars:
           self.added[loc] = var
-    if inputs == eqn.inputs and all(a is b for a, b in zip(bodies, eqn.children)):
+    if inputs == eqn.inputs and _same_nodes(bodies, eqn.children):
       return eqn
     return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
 
@@ -414,9 +416,9 @@ class _Substitution:
     if isinstance(template, Mox) and template.is_ephemeral:
       template, consts = _unwrap_traced_module(template)
     if isinstance(node, Mox):
-      node_args = _dyn(self.rename(s) for s in node.arg_inputs)
+      node_args = non_literals(self.rename(s) for s in node.arg_inputs)
     else:
-      node_args = _dyn(self.rename(s) for s in node.inputs)
+      node_args = non_literals(self.rename(s) for s in node.inputs)
     wiring: dict[Symbol, Symbol] = {}
     extra_args: list[Var] = []
     new_vars: list[tuple[Loc, Var]] = []
@@ -442,7 +444,7 @@ class _Substitution:
       self._wire_variables(node, template, new_path, wiring, new_vars)
     else:
       t_args = template.inputs
-    for pos, sym in enumerate(_dyn(t_args)):
+    for pos, sym in enumerate(non_literals(t_args)):
       if pos < len(node_args):
         target = node_args[pos]
         if not _same_type(sym, target):
@@ -495,9 +497,9 @@ class _Substitution:
   def _wire_variables(self, node, template: Mox, new_path, wiring, new_vars):
     own = {}
     if isinstance(node, Mox) and tuple(new_path) == node.path:
-      for keys, sym in zip(_rel_keys(node), node.var_inputs):
+      for keys, sym in zip(var_keys(node), node.var_inputs):
         own[keys] = self.rename(sym)
-    for keys, sym in zip(_rel_keys(template), template.var_inputs):
+    for keys, sym in zip(var_keys(template), template.var_inputs):
       loc = (keys[0], *new_path, *keys[1:])
       existing = own.get(keys)
       body = next((f for f in reversed(self.stack) if f.is_body), None)
@@ -562,8 +564,8 @@ def _unwrap_traced_module(root: Mox):
   if len(root.children) == 1 and isinstance(root.children[0], Mox):
     child = root.children[0]
     if (not child.is_ephemeral and
-        set(_dyn(root.outputs)) == set(_dyn(child.outputs)) and
-        set(_dyn(child.inputs)) <= set(_dyn(root.inputs))):
+        set(non_literals(root.outputs)) == set(non_literals(child.outputs)) and
+        set(non_literals(child.inputs)) <= set(non_literals(root.inputs))):
       return child, consts
   return root, consts
 
