@@ -162,10 +162,11 @@ def check_lora(mox, variables, selection, expected_modules, call, args, *,
   what the adapted tree computes. ``call(variables, *args)`` runs the model."""
   res = yax.lora(mox, variables, selection, rank=rank, alpha=4.0,
                  key=jax.random.key(1))
-  assert len(res.paths) == expected_modules
   adapters = adapter_paths(res)
   assert len(adapters) == 2 * expected_modules
-  assert all(p[-1] in ('lora_a', 'lora_b') for p in adapters)
+  assert all(p[-1].endswith(('lora_a', 'lora_b')) for p in adapters)
+  # One path per scope holding adapters (two kernels may share a scope).
+  assert len(res.paths) == len({p[:-1] for p in adapters})
   assert jax.tree.structure(res.mask) == jax.tree.structure(res.params)
   # B = 0 at init: the adapted tree computes what the model does.
   original = call(variables, *args)
@@ -309,6 +310,14 @@ def test_gemma_lora_identity_and_merge(gemma):
   assert attn['q_einsum']['lora_b'].shape == (2, 4, 8)        # N, H
   assert attn['attn_vec_einsum']['lora_a'].shape == (4, 8, 2)  # NHD: N, H
   assert attn['attn_vec_einsum']['lora_b'].shape == (2, 32)    # D
+  # The FFW's two Einsums share the scope 'mlp' (nn.share_scope): each
+  # adapter pair is named after its kernel.
+  mlp = res.params['params']['layer_0']['mlp']
+  hidden = gemma.config.hidden_dim
+  assert set(mlp) == {'gating_einsum', 'linear', 'gating_einsum_lora_a',
+                      'gating_einsum_lora_b', 'linear_lora_a', 'linear_lora_b'}
+  assert mlp['linear_lora_a'].shape == (hidden, 2)
+  assert mlp['linear_lora_b'].shape == (2, 32)
 
 
 def test_gemma_summary_counts_every_parameter(gemma):

@@ -42,13 +42,11 @@ import math
 import numbers
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import tree_util as jtu
 
-from yax import _rules
+from yax import _contraction, _rules
 from yax._containers import get_in, set_in, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
@@ -88,124 +86,187 @@ _ADAPTER_NAMES = ('lora_a', 'lora_b')
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """``y[..., *out] = x[..., *in] @ kernel`` with the ``in`` axes trailing.
+class _Plan:
+  """How one module call gets its adapter: its kernel's contraction and the
+  adapter shapes, in the kernel's own axis order.
 
-  ``n_in`` trailing axes of the input are contracted (1 for Dense); the
-  kernel is ``[*in, *out]``, adapted as ``[prod(in), prod(out)]``.
+  ``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
+  axes]`` for a ``dot_general``; ``A: [*kernel axes but the output feature,
+  rank]`` (the window and input features) and ``B: [rank, out]`` for a
+  convolution.
   """
-  n_in: int
-  d_in: int
-  d_out: int
+  contraction: _contraction.Contraction
+  kernel_keys: tuple  # ('params', 'kernel'), ('nnx', 'w') ...
+  kernel_shape: tuple
+  a_shape: tuple
+  b_shape: tuple
+  a_axes: tuple  # kernel axis of each axis of A (None: the rank)
+  b_axes: tuple
+  names: tuple = _ADAPTER_NAMES  # the adapters' variable names
+
+  @property
+  def kernel_name(self) -> str:
+    return self.kernel_keys[-1]
 
 
-def _kernel(node: Mox) -> Symbol | None:
-  """The module's own parameter ``kernel`` (Linen ``params/kernel``, NNX
-  ``kernel`` of an ``nnx.Param`` type)."""
-  for i, (keys, sym) in enumerate(zip(var_keys(node), node.var_inputs,
-                                      strict=True)):
-    if keys[1:] == ('kernel',) and var_kind(node, i)[1]:
-      return sym
-  return None
+def _own_params(node: Mox) -> list[int]:
+  """Variable input positions of the module's own parameters."""
+  return [i for i, keys in enumerate(var_keys(node))
+          if len(keys) == 2 and var_kind(node, i)[1]]
 
 
 def _own_param_names(node: Mox) -> set:
-  return {keys[-1] for i, keys in enumerate(var_keys(node))
-          if len(keys) == 2 and var_kind(node, i)[1]}
+  keys = var_keys(node)
+  return {keys[i][-1] for i in _own_params(node)}
+
+
+def _is_adapter_name(name) -> bool:
+  return isinstance(name, str) and name.endswith(_ADAPTER_NAMES)
 
 
 def _path_str(node: Mox) -> str:
   return '/'.join(node.path)
 
 
-def _layout(node: Mox) -> _Layout | str:
-  """The kernel layout of a module call, or why it is not supported."""
-  kernel = _kernel(node)
-  where = f"the module call {describe(node)[len('module_call '):]}"
-  if kernel is None or kernel.aval is None or kernel.aval.ndim < 2:
-    found = ', '.join('/'.join(k) + ':' + s.type_str
-                      for k, s in zip(var_keys(node), node.var_inputs))
-    return (f"lora expects Dense-like module calls (a 'params/kernel' variable "
-            f"of shape [..., in, out]), but {where} has variables "
-            f"[{found or 'none'}]")
-  xs, ys = non_literals(node.arg_inputs), non_literals(node.outputs)
-  shape = tuple(kernel.aval.shape)
-  supported = ('lora supports a kernel [in, out] (nn.Dense and Dense-like '
-               'modules) and an nn.DenseGeneral kernel [*in_axes, *features] '
-               'that contracts the trailing axes of its input, with '
-               'batch_dims=()')
-  if len(xs) != 1 or len(ys) != 1:
-    return (f'lora expects a module call with one array input and one array '
-            f'output; {where} (kernel {kernel.type_str}) takes '
-            f"({', '.join(s.type_str for s in xs)}) and returns "
-            f"({', '.join(s.type_str for s in ys)})")
-  x, y = xs[0].aval, ys[0].aval
-  if isinstance(node.module_ty, type) and issubclass(node.module_ty,
-                                                      nn.DenseGeneral):
-    axis = node.params.get('axis', -1)
-    features = node.params.get('features')
-    axis = (axis,) if isinstance(axis, int) else tuple(axis)
-    features = (features,) if isinstance(features, int) else tuple(features)
-    axes = tuple(a % x.ndim for a in axis)
-    n_in = len(axes)
-    if node.params.get('batch_dims', ()) not in ((), None):
-      return (f"lora cannot adapt {where}: its kernel is {kernel.type_str} "
-              f"with batch_dims={node.params['batch_dims']!r}; {supported}")
-    if axes != tuple(range(x.ndim - n_in, x.ndim)):
-      return (f'lora cannot adapt {where}: its kernel is {kernel.type_str} '
-              f'and it contracts axes {axis!r} of its input '
-              f'{xs[0].type_str}; {supported}')
-    if (shape != tuple(x.shape[-n_in:]) + features
-        or tuple(y.shape[y.ndim - len(features):]) != features):
-      return (f'lora cannot adapt {where}: its kernel is {kernel.type_str}, '
-              f'input {xs[0].type_str}, output {ys[0].type_str}, not '
-              f'[*in_axes, *features]; {supported}')
-    return _Layout(n_in, math.prod(shape[:n_in]), math.prod(features))
-  if len(shape) != 2:
-    return (f'lora cannot adapt {where}: its kernel is {kernel.type_str}; '
-            f'{supported}')
-  d_in, d_out = shape
-  if tuple(x.shape[-1:]) != (d_in,) or tuple(y.shape[-1:]) != (d_out,):
-    return (f'lora expects a module call with one input [..., {d_in}] and '
-            f'one output [..., {d_out}] (its kernel is {kernel.type_str}); '
-            f'{where} takes ({xs[0].type_str}) and returns '
-            f'({ys[0].type_str})')
-  return _Layout(1, d_in, d_out)
+def _plan(node: Mox, rank: int) -> _Plan | str:
+  """How ``node`` is adapted, or why it cannot be."""
+  keys = var_keys(node)
+  candidates = [i for i in _own_params(node)
+                if node.var_inputs[i].aval is not None
+                and node.var_inputs[i].aval.ndim >= 2]
+  found, reasons = [], []
+  for i in sorted(candidates, key=lambda i: keys[i][-1] != 'kernel'):
+    got = _contraction.find(node, i)
+    (found if isinstance(got, _contraction.Contraction) else reasons).append(
+        (i, got))
+  if not found:
+    if reasons:
+      i, why = reasons[0]
+      return (f"its kernel {'/'.join(keys[i])}:"
+              f'{node.var_inputs[i].type_str} cannot carry an adapter: {why}')
+    listed = ', '.join('/'.join(k) + ':' + s.type_str
+                       for k, s in zip(keys, node.var_inputs, strict=True))
+    return ('it has no parameter of 2 or more axes that reaches a '
+            'dot_general or convolution (a kernel); its variables are '
+            f"[{listed or 'none'}]")
+  if len(found) > 1:
+    names = ', '.join('/'.join(keys[i]) for i, _ in found)
+    return (f'it contracts several kernels ({names}); select the modules '
+            'that hold one kernel each')
+  index, c = found[0]
+  shape = tuple(node.var_inputs[index].aval.shape)
+  if c.kind == 'dot_general':
+    (lc, rc), _ = c.dimension_numbers
+    kc = (lc, rc)[c.kernel_side]
+    contracted = sorted(c.perm[a] for a in kc)
+    other = [v for v in range(len(shape)) if v not in contracted]
+    a_axes, b_axes = (*contracted, None), (None, *other)
+  else:
+    out = c.dimension_numbers.rhs_spec[0]
+    a_axes = (*(v for v in range(len(shape)) if v != out), None)
+    b_axes = (None, out)
+  size = lambda axes: tuple(rank if v is None else shape[v] for v in axes)
+  return _Plan(c, keys[index], shape, size(a_axes), size(b_axes), a_axes,
+               b_axes)
+
+
+def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
+  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general."""
+  (lc, rc), (lb, rb) = c.dimension_numbers
+  side = c.kernel_side
+  kc, kb = (lc, rc)[side], (lb, rb)[side]
+  xc, xb = (lc, rc)[1 - side], (lb, rb)[1 - side]
+  pool = iter('abcdefghijklmnopqstuvwxyzABCDEFGHIJKLMNOPQSTUVWXYZ')
+  var = [next(pool) for _ in range(k_ndim)]  # by kernel variable axis
+  op = [var[c.perm[j]] for j in range(k_ndim)]  # by operand axis
+  xs = [None] * x_ndim
+  for xa, ka in zip((*xc, *xb), (*kc, *kb), strict=True):
+    xs[xa] = op[ka]
+  xs = [s or next(pool) for s in xs]
+  contracted = sorted(c.perm[a] for a in kc)
+  a_sub = ''.join(var[v] for v in contracted) + 'r'
+  b_sub = 'r' + ''.join(var[v] for v in range(k_ndim) if v not in contracted)
+  h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + 'r'
+  batch = ''.join(xs[i] for i in xb)
+  x_free = ''.join(xs[i] for i in range(x_ndim) if i not in xc and i not in xb)
+  k_free = ''.join(op[j] for j in range(k_ndim) if j not in kc and j not in kb)
+  out = batch + (x_free + k_free if side == 1 else k_free + x_free)
+  return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
+
+
+def _delta(plan: _Plan, x, a, b):
+  """The change of the contraction's output for the kernel change
+  ``A @ B``, computed without forming it: ``(x A) B``."""
+  c = plan.contraction
+  if c.kind == 'dot_general':
+    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(
+        c, len(plan.kernel_shape), x.ndim)
+    h = jnp.einsum(f'{x_sub},{a_sub}->{h_sub}', x, a)
+    return jnp.einsum(f'{h_sub},{b_sub}->{out}', h, b)
+  params = dict(c.params)
+  dn = params['dimension_numbers']
+  window = jnp.moveaxis(a, -1, dn.rhs_spec[0])  # the kernel's layout, rank out
+  h = jax.lax.conv_general_dilated(
+      x, window, params['window_strides'], params['padding'],
+      params['lhs_dilation'], params['rhs_dilation'], dimension_numbers=dn)
+  feature = dn.out_spec[1]
+  return jnp.moveaxis(jnp.moveaxis(h, feature, -1) @ b, -1, feature)
+
+
+def _kernel_delta(plan: _Plan, a, b):
+  """``A @ B`` in the kernel's shape (leading axes of a stacked kernel, as
+  ``nn.scan`` makes them, kept)."""
+  c, n = plan.contraction, len(plan.kernel_shape)
+  if c.kind == 'dot_general':
+    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim)
+    return jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
+  out = c.dimension_numbers.rhs_spec[0]
+  rest = 'abcdefghijklmnopq'[:n - 1]
+  flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
+  return jnp.moveaxis(flat, -1, flat.ndim - n + out)
 
 
 # The traced adapter is only read (its symbols are re-wired per node), so one
-# trace serves every node of the same shapes: BERT-base's 73 Dense layers need
+# trace serves every node of the same plan: BERT-base's 73 Dense layers need
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
-def _traced_adapter(x_shape, x_dtype, y_shape, y_dtype, n_in, d_in, rank,
-                    d_out, dtype, scale):
+def _traced_adapter(plan: _Plan, x_aval, y_aval, dtype, scale):
   def adapter(y, x, a, b):
-    h = x.astype(dtype)
-    if n_in != 1:  # DenseGeneral: flatten the contracted axes
-      h = h.reshape(*x_shape[:len(x_shape) - n_in], d_in)
-    delta = (h @ a) @ b
-    if delta.shape != y_shape:  # ... and unflatten the features
-      delta = delta.reshape(y_shape)
-    return y + (scale * delta).astype(y.dtype)
+    for step in plan.contraction.x_steps:
+      x = step.apply(x)
+    delta = _delta(plan, x.astype(dtype), a, b)
+    delta = (scale * delta).astype(plan.contraction.z_aval.dtype)
+    for step in plan.contraction.y_steps:
+      delta = step.apply(delta)
+    return y + delta.astype(y.dtype)
   spec = jax.ShapeDtypeStruct
-  return make_mox(adapter)(spec(y_shape, y_dtype), spec(x_shape, x_dtype),
-                           spec((d_in, rank), dtype), spec((rank, d_out), dtype))
+  return make_mox(adapter)(
+      spec(y_aval.shape, y_aval.dtype), spec(x_aval.shape, x_aval.dtype),
+      spec(plan.a_shape, dtype), spec(plan.b_shape, dtype))
 
 
-def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
+def _adapter_mox(plan, x_aval, y_aval, dtype, scale):
+  try:
+    return _traced_adapter(plan, x_aval, y_aval, dtype, scale)
+  except TypeError as e:  # a step's parameter that is not hashable
+    if 'unhashable' not in str(e):
+      raise
+    return _traced_adapter.__wrapped__(plan, x_aval, y_aval, dtype, scale)
+
+
+def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
-  kernel = _kernel(node)
-  x, y = non_literals(node.arg_inputs)[0], non_literals(node.outputs)[0]
+  c = plan.contraction
+  kernel = node.var_inputs[c.kernel_index]
+  x, y = node.inputs[c.x_index], node.outputs[c.y_index]
   dtype = kernel.aval.dtype
-  adapter = _traced_adapter(
-      tuple(x.aval.shape), x.aval.dtype, tuple(y.aval.shape), y.aval.dtype,
-      layout.n_in, layout.d_in, rank, layout.d_out, dtype, alpha / rank)
+  adapter = _adapter_mox(plan, x.aval, y.aval, dtype, alpha / rank)
   if adapter.constvars:
     raise SubstitutionError(
         f'internal: the traced LoRA adapter captured {len(adapter.constvars)} '
         'constants; it must be a function of (y, x, a, b) only')
-  a = Var(jax.core.ShapedArray((layout.d_in, rank), dtype))
-  b = Var(jax.core.ShapedArray((rank, layout.d_out), dtype))
+  a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
+  b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
   # Wire the adapter's inputs (y, x, a, b) to the node's symbols.
   y_in, x_in, a_in, b_in = non_literals(adapter.inputs)
   wiring = {y_in: y, x_in: x, a_in: a, b_in: b}
@@ -222,17 +283,20 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
   children = [node]
   for eqn in adapter.children:
     inputs = [wired(s) for s in eqn.inputs]
-    new_out = [Var(s.aval) for s in eqn.outputs]
-    wiring.update(zip(eqn.outputs, new_out))
+    # The result has the module output's type, sharding included.
+    new_out = [Var(y.aval if s is adapter.outputs[0] else s.aval)
+               for s in eqn.outputs]
+    wiring.update(zip(eqn.outputs, new_out, strict=True))
     children.append(eqn.replace(inputs=inputs, outputs=new_out))
   out = wired(adapter.outputs[0])
+  a_name, b_name = plan.names
   var_dict = (jtu.tree_unflatten(node.var_tree, node.var_inputs)
               if node.num_vars else {})
   if isinstance(var_dict, _nnx.VariableTree):  # NNX: typed nnx.LoRAParam s
     entries = [(keys[1:], (kind, *flags)) for keys, kind, flags in zip(
         var_keys(node), var_dict.kinds, var_dict.flags, strict=True)]
-    entries += [(('lora_a',), ('LoRAParam', True, True)),
-                (('lora_b',), ('LoRAParam', True, True))]
+    entries += [((a_name,), ('LoRAParam', True, True)),
+                ((b_name,), ('LoRAParam', True, True))]
     var_tree = _nnx.variable_treedef(entries)
     by_rel = {rel: sym for (rel, _), sym in zip(
         entries, [*node.var_inputs, a, b], strict=True)}
@@ -240,14 +304,15 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
                   jtu.tree_flatten_with_path(jtu.tree_unflatten(
                       var_tree, [0] * len(entries)))[0]]
   else:
-    var_dict = set_in(var_dict, ('params', 'lora_a'), a)
-    var_dict = set_in(var_dict, ('params', 'lora_b'), b)
+    group = plan.kernel_keys[0]
+    var_dict = set_in(var_dict, (group, a_name), a)
+    var_dict = set_in(var_dict, (group, b_name), b)
     var_inputs, var_tree = jtu.tree_flatten(
         var_dict, is_leaf=lambda s: isinstance(s, Symbol))
-  outputs = [out if s is y else s for s in node.outputs]
+  outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
   return Mox(var_inputs + list(node.arg_inputs), outputs,
              {'name': node.name, 'rank': rank, 'alpha': alpha,
-              'base': node.type_name},
+              'base': node.type_name, 'kernel': plan.kernel_name},
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=var_tree)
@@ -255,9 +320,9 @@ def _lora_template(node: Mox, layout: _Layout, rank: int, alpha: float) -> Mox:
 
 # ------------------------------------------------- where a kernel comes from
 
-def _kernel_source(node: Mox, ancestors: tuple, keypaths: dict):
-  """(root key path of the kernel, None) or (None, why it has none)."""
-  sym = _kernel(node)
+def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
+  """(root key path of the kernel ``sym``, None) or (None, why it has
+  none)."""
   chain = list(ancestors)
   i = len(chain) - 1
   while i >= 1:
@@ -455,14 +520,14 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   _params_argument(mox, prefix, params)
   keypaths = root_keypaths(mox)
   adapter_places = {kp for kp in keypaths.values()
-                    if kp and kp[-1] in _ADAPTER_NAMES}
+                    if kp and _is_adapter_name(kp[-1])}
   owners = _kernel_owners(mox)
-  problems, layouts = [], {}
+  problems, plans = [], {}
   for node in chosen.targets:
     ancestors = chosen.ancestors[id(node)]
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
                     and a.module_ty is LoRA), None)
-    own = _own_param_names(node)
+    held = sorted(n for n in _own_param_names(node) if _is_adapter_name(n))
     if node.module_ty is LoRA:
       problems.append((node, 'it is a LoRA adapter already', False))
       continue
@@ -471,15 +536,15 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
                        f'by the LoRA call at path {_path_str(wrapper)!r})',
                        wrapper in ancestors[-1:]))
       continue
-    if own & set(_ADAPTER_NAMES):
+    if held:
       problems.append((node, 'it already carries an adapter (its params hold '
-                       f'{sorted(own & set(_ADAPTER_NAMES))})', False))
+                       f'{held})', False))
       continue
-    layout = _layout(node)
-    if isinstance(layout, str):  # a wrong selection: reported at once
-      raise SubstitutionError(
-          f'{layout}\n' + _hint([(node, layout, False)], selection))
-    kernel = _kernel(node)
+    plan = _plan(node, rank)
+    if isinstance(plan, str):
+      problems.append((node, plan, False))
+      continue
+    kernel = node.var_inputs[plan.contraction.kernel_index]
     others = sorted('/'.join(p) for p in owners.get(kernel, ()) - {node.path})
     if others:
       problems.append((
@@ -487,8 +552,8 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           f'{", ".join(others)}: an adapter merged into it would change '
           'them too', False))
       continue
-    keypath, why = _kernel_source(node, ancestors, keypaths)
-    place = (*prefix, *node.path, 'kernel')
+    keypath, why = _kernel_source(kernel, ancestors, keypaths)
+    place = (*prefix, *node.path, *plan.kernel_keys[1:])
     if keypath is None or tuple(map(str, keypath)) != tuple(map(str, place)):
       found = (f'the traced argument {_arg_str(keypath)}' if why is None
                else why)
@@ -503,12 +568,23 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
                        f'arguments hold {_arg_str(keypath[:-1])}'
                        "['lora_a'/'lora_b'])", False))
       continue
-    layouts[id(node)] = layout
+    plans[id(node)] = plan
   if problems:
     _refuse(problems, chosen, selection)
+  # Adapters are 'lora_a'/'lora_b' next to their kernel; where one scope
+  # holds several adapted kernels (nn.share_scope), each pair is named after
+  # its kernel: 'linear_lora_a'.
+  kernels_at: dict = {}
+  for node in chosen.targets:
+    kernels_at.setdefault(node.path, set()).add(plans[id(node)].kernel_name)
+  for node in chosen.targets:
+    plan = plans[id(node)]
+    if len(kernels_at[node.path]) > 1:
+      plans[id(node)] = dataclasses.replace(plan, names=tuple(
+          f'{plan.kernel_name}_{n}' for n in _ADAPTER_NAMES))
 
   def make(path, node):
-    return _lora_template(node, layouts[id(node)], rank, alpha)
+    return _lora_template(node, plans[id(node)], rank, alpha)
 
   done = substitute(chosen, make, mox)
   if done.collections.get(group) != prefix:
@@ -517,17 +593,21 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         f"{_arg_str(done.collections.get(group))} during the rewrite")
 
   inside = tuple(prefix[2:])  # keys of the collection inside `params`
-  adapted = {tuple(node.path): layouts[id(node)] for node in chosen.targets}
+  adapted = {}  # (module path, adapter name) -> plan
+  for node in chosen.targets:
+    plan = plans[id(node)]
+    for name in plan.names:
+      adapted[(tuple(node.path), name)] = plan
   new_params, mask = params, jtu.tree_map(lambda _: False, params)
   for loc, var in sorted(done.added.items()):
-    if (loc[0] != group or loc[-1] not in _ADAPTER_NAMES
-        or tuple(loc[1:-1]) not in adapted):
+    plan = adapted.get((tuple(loc[1:-1]), loc[-1]))
+    if loc[0] != group or plan is None:
       raise SubstitutionError(
           f"internal: lora added a variable at {'/'.join(loc)}, which is not "
           'the adapter of a selected module')
-    if loc[-1] == 'lora_a':
+    if loc[-1] == plan.names[0]:
       key, sub_key = jax.random.split(key)
-      fan_in = var.aval.shape[-2]
+      fan_in = math.prod(plan.a_shape[:-1])
       value = (jax.random.normal(sub_key, var.aval.shape, var.aval.dtype)
                / jnp.sqrt(jnp.asarray(fan_in, var.aval.dtype)))
     else:
@@ -539,30 +619,37 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     new_params = set_in(new_params, (*inside, *loc[1:]), value)
     mask = set_in(mask, (*inside, *loc[1:]), flag)
   scale = alpha / rank
-  paths = sorted(adapted)
+  merges = sorted({(path, plan.names): plan
+                   for (path, _), plan in adapted.items()}.items())
+  paths = sorted({path for (path, _), _ in merges})
 
   def merge(trained):
-    """Folds ``kernel + (alpha/rank) * lora_a @ lora_b`` (reshaped to the
-    kernel for DenseGeneral) for every adapter and returns params for the
-    original tree (adapters removed), in ``trained``'s container types."""
+    """Folds ``kernel + (alpha/rank) * A @ B`` (in the kernel's layout) for
+    every adapter and returns params for the original tree (adapters
+    removed), in ``trained``'s container types."""
     out = trained
-    for module_path in paths:
+    for (module_path, names), plan in merges:
       keys = (*inside, *module_path)
       module = get_in(out, keys)
-      boxed = get_in(out, (*keys, 'kernel'))
+      boxed = get_in(out, (*keys, plan.kernel_name))
       kernel, a, b = (_unboxed(x) for x in (
-          boxed, get_in(out, (*keys, 'lora_a')), get_in(out, (*keys, 'lora_b'))))
-      delta = jnp.matmul(a, b)
+          boxed, get_in(out, (*keys, names[0])), get_in(out, (*keys, names[1]))))
+      where = f"params{''.join(f'[{k!r}]' for k in keys)}"
+      if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
+          tuple(b.shape[b.ndim - len(plan.b_shape):]) != plan.b_shape):
+        raise SubstitutionError(
+            f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
+            f'and {names[1]} {tuple(b.shape)}; lora made them '
+            f'{plan.a_shape} and {plan.b_shape}')
+      delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
-        if np.size(delta) != np.size(kernel):
-          raise SubstitutionError(
-              f"merge: at params{''.join(f'[{k!r}]' for k in keys)} "
-              f'lora_a {tuple(a.shape)} @ lora_b {tuple(b.shape)} does not '
-              f'fit the kernel {tuple(kernel.shape)}')
-        delta = delta.reshape(kernel.shape)
+        raise SubstitutionError(
+            f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
+            f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
+            f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
       merged = _boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
-      out = set_in(out, keys, set_in(without(module, _ADAPTER_NAMES),
-                                     ('kernel',), merged))
+      out = set_in(out, keys, set_in(without(module, names),
+                                     (plan.kernel_name,), merged))
     return out
 
   return LoraResult(done.mox, new_params, mask, merge, paths)

@@ -437,7 +437,8 @@ class _Substitution:
       name = template.name if template.name is not None else getattr(
           node, 'name', None)
       node_path = getattr(node, 'path', ())
-      if template.name is not None and node_path:
+      if template.name is not None and node_path and \
+          template.name != getattr(node, 'name', None):
         new_path = (*node_path[:-1], template.name)
       else:
         new_path = node_path
@@ -709,6 +710,22 @@ def select(selection, mox: Mox) -> Selection:
       if isinstance(node, Equation):
         bodies.add(id(child))
       stack.append((child, inner))
+  # A call of another method of the same module, nested in a selected call
+  # of one of its methods (nn.Einsum's helper, EasyDeL's native_forward),
+  # belongs to that call. A function a lifted transform applies to a module
+  # (nn.scan's body, method '<lambda>') is not the module's own call: the
+  # method call inside it is kept instead.
+  dropped = set()
+  for item in found:
+    for outer in ancestors.get(id(item), ()):
+      if id(outer) in wanted and _same_module_call(outer, item):
+        if _is_method_call(outer):
+          dropped.add(id(item))
+        elif _is_method_call(item):
+          dropped.add(id(outer))
+  found = [item for item in found if id(item) not in dropped]
+  for key in dropped:
+    del wanted[key]
   for item in found:
     if id(item) not in ancestors:
       raise SubstitutionError(
@@ -728,6 +745,17 @@ def select(selection, mox: Mox) -> Selection:
           'inner node. Select only one of them, e.g. add '
           '[not(ancestor::*[...])] to the XPath')
   return Selection(mox, tuple(found), ancestors, what)
+
+
+def _same_module_call(outer, inner) -> bool:
+  return (isinstance(outer, Mox) and isinstance(inner, Mox)
+          and not outer.is_ephemeral and not inner.is_ephemeral
+          and outer.path == inner.path and outer.module_ty is inner.module_ty)
+
+
+def _is_method_call(node: Mox) -> bool:
+  return isinstance(node.module_ty, type) and callable(
+      getattr(node.module_ty, node.entrypoint or '', None))
 
 
 def resolve_targets(selection, mox: Mox) -> list[Expr]:

@@ -1,0 +1,282 @@
+"""LoRA on every kernel layout, decided by the contraction, not the class.
+
+Each case compares the adapted tree with the plain Flax model run on the
+kernel ``W + (alpha / rank) * delta``, where ``delta`` is written here by
+hand for the layout (an ``np.einsum`` of the adapters, ``A: [*contracted
+kernel axes, rank]``, ``B: [rank, *other kernel axes]``; a convolution's
+``A`` holds the window and input features). The same reference checks
+``merge``; every adapter gets a nonzero gradient under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+
+RANK, ALPHA = 2, 3.0
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def put(tree, keys, value):
+  """A copy of nested dicts ``tree`` with ``value`` at ``keys``."""
+  if not keys:
+    return value
+  out = dict(tree)
+  out[keys[0]] = put(tree[keys[0]], keys[1:], value)
+  return out
+
+
+def perturbed(res, seed=3):
+  """The adapters moved away from their init, as if trained."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda v, m: v + jnp.asarray(rng.normal(0, 0.5, np.shape(v)), v.dtype)
+      if m else v, res.params, res.mask)
+
+
+def check_adapter_gradients(res, params, *args):
+  loss = lambda p: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(
+      yax.eval_mox(res.mox, p, *args)))
+  grads = jax.jit(jax.grad(loss))(params)
+  norms = [float(jnp.abs(g).sum()) for g, m in zip(
+      jax.tree.leaves(grads), jax.tree.leaves(res.mask), strict=True) if m]
+  assert norms and all(n > 0 for n in norms), norms
+
+
+class Gemma(nn.Module):
+  """Gemma's Einsum: ``jnp.einsum(eqn, x, w)``, the kernel on the left."""
+  shape: tuple
+  eqn: str
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('w', nn.initializers.normal(), self.shape)
+    return jnp.einsum(self.eqn, x, w)
+
+
+class Conv1D(nn.Module):
+  """Hugging Face GPT-2's FlaxConv1D: kernel [out, in], contracted on its
+  last axis."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(),
+                        (self.features, x.shape[-1]))
+    bias = self.param('bias', nn.initializers.zeros, (self.features,))
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+    return y + bias
+
+
+class DotT(nn.Module):
+  """A kernel [out, in] used as ``x @ kernel.T``."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(),
+                        (self.features, x.shape[-1]))
+    return x @ kernel.T
+
+
+class Wrap(nn.Module):
+  """One layer under test, followed by a nonlinearity."""
+  make: object
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(self.make()(x))
+
+
+class Scanned(nn.Module):
+  """Three Dense layers stacked by nn.scan (kernels [3, 6, 6])."""
+
+  @nn.compact
+  def __call__(self, x):
+    body = nn.scan(lambda mdl, c, _: (jnp.tanh(mdl(c)), None),
+                   variable_axes={'params': 0}, split_rngs={'params': True},
+                   length=3)
+    return body(nn.Dense(6, name='layer'), x, None)[0]
+
+
+# (id, layer, input shape, params path of the kernel, selection, A, B,
+#  einsum giving the kernel change from A and B)
+LINEN_CASES = [
+    ('dense', lambda: nn.Dense(5, name='layer'), (3, 4), ('layer', 'kernel'),
+     'Dense', (4, RANK), (RANK, 5), 'ir,ro->io'),
+    ('einsum', lambda: nn.Einsum((4, 2, 5), '...i,ijk->...jk', name='layer'),
+     (3, 4), ('layer', 'kernel'), 'Einsum', (4, RANK), (RANK, 2, 5),
+     'ir,rjk->ijk'),
+    ('gemma-q', lambda: Gemma((2, 4, 3), 'BTD,NDH->BTNH', name='layer'),
+     (2, 5, 4), ('layer', 'w'), 'Gemma', (4, RANK), (RANK, 2, 3),
+     'dr,rnh->ndh'),
+    ('gemma-kv', lambda: Gemma((2, 3, 4, 5), 'BSD,CKDH->CBSKH', name='layer'),
+     (2, 6, 4), ('layer', 'w'), 'Gemma', (4, RANK), (RANK, 2, 3, 5),
+     'dr,rckh->ckdh'),
+    ('gemma-out', lambda: Gemma((2, 3, 4), 'BTNH,NHD->BTD', name='layer'),
+     (2, 5, 2, 3), ('layer', 'w'), 'Gemma', (2, 3, RANK), (RANK, 4),
+     'nhr,rd->nhd'),
+    ('dense-general-leading-axis',
+     lambda: nn.DenseGeneral(4, axis=0, name='layer'), (3, 6),
+     ('layer', 'kernel'), 'DenseGeneral', (3, RANK), (RANK, 4), 'ar,ro->ao'),
+    ('dense-general-two-axes',
+     lambda: nn.DenseGeneral((2, 3), axis=(-2, -1), name='layer'), (4, 2, 5),
+     ('layer', 'kernel'), 'DenseGeneral', (2, 5, RANK), (RANK, 2, 3),
+     'abr,rcd->abcd'),
+    ('dense-general-batch-dims',
+     lambda: nn.DenseGeneral(4, axis=-1, batch_dims=0, name='layer'),
+     (2, 3, 5), ('layer', 'kernel'), 'DenseGeneral', (5, RANK), (RANK, 2, 4),
+     'ir,rbo->bio'),
+    ('gpt2-conv1d', lambda: Conv1D(5, name='layer'), (2, 3, 4),
+     ('layer', 'kernel'), 'Conv1D', (4, RANK), (RANK, 5), 'ir,ro->oi'),
+    ('transposed', lambda: DotT(5, name='layer'), (3, 4), ('layer', 'kernel'),
+     'DotT', (4, RANK), (RANK, 5), 'ir,ro->oi'),
+    ('conv2d', lambda: nn.Conv(4, (3, 3), strides=2, name='layer'),
+     (1, 7, 7, 2), ('layer', 'kernel'), 'Conv', (3, 3, 2, RANK), (RANK, 4),
+     'hwir,ro->hwio'),
+    ('conv1d-dilated', lambda: nn.Conv(3, (2,), kernel_dilation=2,
+                                       padding='VALID', name='layer'),
+     (2, 9, 4), ('layer', 'kernel'), 'Conv', (2, 4, RANK), (RANK, 3),
+     'wir,ro->wio'),
+]
+
+
+@pytest.mark.parametrize('case', LINEN_CASES, ids=[c[0] for c in LINEN_CASES])
+def test_linen_layout(case):
+  _, make, x_shape, kernel_path, module, a_shape, b_shape, subscripts = case
+  model = Wrap(make)
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  variables = model.init(jax.random.key(1), x)
+  variables = {'params': dict(variables['params'])}
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, f'//module_call[@type="{module}"]',
+                 rank=RANK, alpha=ALPHA, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  inner = get(res.params['params'], kernel_path[:-1])
+  assert inner['lora_a'].shape == a_shape
+  assert inner['lora_b'].shape == b_shape
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = perturbed(res)
+  module_params = get(trained['params'], kernel_path[:-1])
+  a, b = np.asarray(module_params['lora_a']), np.asarray(module_params['lora_b'])
+  kernel = get(variables['params'], kernel_path)
+  new_kernel = kernel + ALPHA / RANK * np.einsum(subscripts, a, b)
+  reference = put(variables, ('params', *kernel_path), new_kernel)
+  want = model.apply(reference, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+  assert not np.allclose(want, model.apply(variables, x), **TOL)
+  check_adapter_gradients(res, trained, x)
+
+
+def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice():
+  model = Scanned()
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="Dense"]', rank=RANK,
+                 alpha=ALPHA)
+  yax.check_mox(res.mox)
+  layer = res.params['params']['layer']
+  assert layer['lora_a'].shape == (3, 6, RANK)
+  assert layer['lora_b'].shape == (3, RANK, 6)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = perturbed(res)
+  t = trained['params']['layer']
+  kernel = variables['params']['layer']['kernel']
+  new = kernel + ALPHA / RANK * np.einsum('lir,lro->lio', t['lora_a'],
+                                          t['lora_b'])
+  want = model.apply(put(variables, ('params', 'layer', 'kernel'), new), x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)
+
+
+def test_refusals_come_in_one_round_with_one_xpath_for_the_others():
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, img):
+      a = nn.Einsum((4, 2, 5), '...i,ijk->...jk', name='einsum')(x)
+      b = nn.LayerNorm(name='norm')(x)
+      c = nn.Conv(4, (3, 3), name='conv')(img)
+      d = nn.Conv(4, (3, 3), feature_group_count=2, name='grouped')(img)
+      return a, b, c, d
+
+  model = Model()
+  x, img = jnp.ones((3, 4)), jnp.ones((1, 5, 5, 2))
+  variables = model.init(jax.random.key(0), x, img)
+  mox = yax.make_mox(model.apply)(variables, x, img)
+  selection = '//module_call[@path!=""]'
+  with pytest.raises(yax.SubstitutionError) as info:
+    yax.lora(mox, variables, selection)
+  message = str(info.value)
+  assert 'cannot adapt 2 of the 4 module calls' in message
+  assert "LayerNorm at path 'norm'" in message
+  assert "Conv at path 'grouped'" in message and 'feature_group_count=2' in \
+      message
+  # nn.Einsum's nested helper call belongs to its __call__: one module.
+  assert "path 'einsum'" not in message
+  hint = message.splitlines()[-1].strip()
+  res = yax.lora(mox, variables, hint)
+  assert res.paths == [('conv',), ('einsum',)]
+
+
+# ----------------------------------------------------------------- NNX
+
+class NNXModel(nnx.Module):
+
+  def __init__(self, rngs):
+    self.general = nnx.LinearGeneral((2, 4), (3, 5), axis=(-2, -1), rngs=rngs)
+    self.einsum = nnx.Einsum('btd,dnh->btnh', (15, 2, 3), (2, 3), rngs=rngs)
+    self.conv = nnx.Conv(2, 3, (3,), rngs=rngs)
+
+  def __call__(self, x):
+    h = self.general(x)  # [b, t, 3, 5]
+    h = self.einsum(jnp.tanh(h).reshape(*h.shape[:2], 15))
+    return self.conv(jnp.tanh(h).reshape(*h.shape[:2], 6)[..., :2])
+
+
+@pytest.mark.parametrize('name,a_shape,b_shape,subscripts', [
+    ('general', (2, 4, RANK), (RANK, 3, 5), 'abr,rcd->abcd'),
+    ('einsum', (15, RANK), (RANK, 2, 3), 'dr,rnh->dnh'),
+    ('conv', (3, 2, RANK), (RANK, 3), 'wir,ro->wio'),
+])
+def test_nnx_layout(name, a_shape, b_shape, subscripts):
+  model = NNXModel(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 6, 2, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, f'//module_call[@path="{name}"]', rank=RANK,
+                 alpha=ALPHA, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  adapted = res.params[name]
+  assert isinstance(adapted['lora_a'], nnx.LoRAParam)
+  assert adapted['lora_a'].shape == a_shape
+  assert adapted['lora_b'].shape == b_shape
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+  trained = perturbed(res)
+  kernel_name = 'kernel'
+  a, b = trained[name]['lora_a'][...], trained[name]['lora_b'][...]
+  reference = nnx.split(model)[1]
+  kernel = reference[name][kernel_name]
+  kernel.value = kernel[...] + ALPHA / RANK * np.einsum(subscripts, a, b)
+  want = run(reference, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(run(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)
