@@ -684,3 +684,48 @@ def test_unknown_key_path_steps_are_reported():
   assert _key_name(jax.tree_util.GetAttrKey('x')) == 'x'
   with pytest.raises(yax.YaxError, match='key path step of unknown kind str'):
     _key_name('a')
+
+
+class WeightNormDense(nn.Module):
+  """Hugging Face Wav2Vec2's positional conv pattern: the module's own
+  params (``bias`` read as is) are passed to a nested ``Module.apply``,
+  whose root call reads them under a path of its own."""
+  features: int
+
+  def setup(self):
+    self.inner = nn.Dense(self.features)
+    self.weight_v = self.param('weight_v', nn.initializers.normal(),
+                               (6, self.features))
+    self.bias = self.param('bias', nn.initializers.zeros, (self.features,))
+
+  def __call__(self, x):
+    kernel = self.weight_v / jnp.linalg.norm(self.weight_v, axis=0)
+    return self.inner.apply({'params': {'kernel': kernel, 'bias': self.bias}},
+                            x)
+
+
+def test_a_nested_apply_reading_params_does_not_move_the_collection():
+  """The root call of the nested apply reads ``bias`` at the path 'bias'
+  while the argument holds it at 'params/pos/bias': the params collection
+  stays at args[0]['params'] (it once became args[0]['params']['pos'] and
+  every adapter was refused as misplaced)."""
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jnp.tanh(WeightNormDense(6, name='pos')(x))
+      h = jnp.tanh(nn.Dense(6, name='q')(h))
+      return nn.Dense(3, name='out')(h)
+
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = lora_ok(yax.lora(mox, variables,
+                         '//module_call[@path="q" or @path="out"]', rank=2))
+  assert res.paths == [('out',), ('q',)]
+  assert set(res.params['params']['q']) == {'kernel', 'bias', 'lora_a',
+                                            'lora_b'}
+  close(yax.eval_mox(res.mox, res.params, x), model.apply(variables, x))
+  trained = bump(res, 0.2)
+  close(model.apply(res.merge(trained), x),
+        yax.eval_mox(res.mox, trained, x))

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ('tracing', ('_trace', '_nnx')),
     ('running and viewing a tree',
      ('_eval', '_check', '_printing', '_serialize', '_query')),
-    ('rewriting', ('_sub', '_pattern')),
+    ('rewriting', ('_sub', '_pattern', '_contraction')),
     ('LoRA', ('_lora',)),
     ('summary', ('_summary', '_flops')),
     ('viewers', ('_html', '_explorer')),

@@ -581,3 +581,52 @@ def test_gradients_match_nnx_grad():
   g_ours = jax.grad(lambda s: (yax.eval_mox(smox, s, x) ** 2).sum())(state)
   g_ref = jax.grad(lambda s: (nnx.merge(graphdef, s)(x) ** 2).sum())(state)
   assert_close(g_ours, g_ref)
+
+
+class ForwardHelper(nnx.Module):
+  """EasyDeL's ColumnParallelLinear: ``__call__`` calls another method of
+  the same module (``native_forward``), recorded as a nested call at the
+  same path."""
+
+  def __init__(self, din, dout, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout)))
+
+  def native_forward(self, x):
+    return x @ self.kernel[...]
+
+  def __call__(self, x):
+    return self.native_forward(x)
+
+
+class HelperNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.a = ForwardHelper(4, 8, rngs)
+    self.b = ForwardHelper(8, 3, rngs)
+
+  def __call__(self, x):
+    return self.b(jnp.tanh(self.a(x)))
+
+
+def test_a_modules_nested_helper_method_call_belongs_to_its_call():
+  model = HelperNet(rngs())
+  graphdef, state, fn, mox = _split_mox(model, X4)
+  selection = '//module_call[@type="ForwardHelper"]'
+  assert [n.entrypoint for n in yax.query(selection, mox)] == [
+      '__call__', 'native_forward', '__call__', 'native_forward']
+  res = yax.lora(mox, state, selection, rank=2, alpha=2.0)
+  assert res.paths == [('a',), ('b',)]
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, X4),
+                             fn(state, X4), **TOL)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  a, b = trained['b']['lora_a'][...], trained['b']['lora_b'][...]
+  reference = nnx.split(model)[1]
+  reference['b']['kernel'].value = reference['b']['kernel'][...] + a @ b
+  reference['a']['kernel'].value = reference['a']['kernel'][...] + (
+      trained['a']['lora_a'][...] @ trained['a']['lora_b'][...])
+  want = fn(reference, X4)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, X4), want,
+                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(fn(res.merge(trained), X4), want, rtol=1e-4,
+                             atol=1e-4)

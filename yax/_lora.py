@@ -25,10 +25,17 @@ path and shows an XPath predicate that leaves the module out:
   GPT-Neo, OPT, mBART ... heads do) or passed in under another path. An
   adapter there would land where the module's kernel is not (for a nested
   apply: at the root of the params tree, shared by every such head);
-* a kernel that is neither ``[in, out]`` (``nn.Dense`` and Dense-like
-  modules) nor an ``nn.DenseGeneral`` kernel ``[*in_axes, *features]`` that
-  contracts the trailing axes of its input (adapted with ``A: [prod(in_axes),
-  rank]`` and ``B: [rank, prod(features)]``).
+* a module whose kernel is not contracted in a way an adapter fits (see
+  ``yax/_contraction.py``: the kernel must reach one ``dot_general`` or
+  ungrouped convolution, whose output reaches the module output through
+  casts, reshapes, transposes and added biases only).
+
+Which layers are adapted is decided by the contraction, not the class:
+``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
+axes]`` for ``dot_general`` layouts (Dense, DenseGeneral on any axes,
+Einsum, transposed kernels); ``A: [*window, in, rank]`` and ``B: [rank,
+out]`` for convolutions. The adapter runs on the contraction's input, and
+its output takes the contraction output's path to the module output.
 
 A module called twice with the same weights (one kernel, two call sites)
 gets one adapter pair, read by both calls.
@@ -464,9 +471,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     HF-style call (``model(x, params=...)``). Dicts, ``FrozenDict`` s and
     other Mappings come back as the same types in ``.params``, ``.mask``
     and from ``.merge``.
-  - ``selection``: XPath (or node list) of Dense-like module calls (a
-    ``kernel`` [in, out], or an ``nn.DenseGeneral`` kernel that contracts
-    the trailing input axes). It must match at least one module call, only
+  - ``selection``: XPath (or node list) of module calls whose own kernel
+    reaches a ``dot_general`` or convolution (Dense, DenseGeneral, Einsum,
+    Conv, ... on Linen and NNX). It must match at least one module call, only
     nodes of ``mox``, and no node together with one of its ancestors.
   - ``rank``: a positive int; ``alpha``: a finite real. The adapter is
     scaled by ``alpha / rank``.

@@ -21,6 +21,7 @@ unchanged subtrees are shared between the old and the new tree.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable, Sequence, Union
 
@@ -173,6 +174,10 @@ class _Substitution:
     # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
     # input stands for the equation input it receives (``alias``).
     stack = [(c, {}) for c in root.children]
+    # Where each collection sits: the prefix most variables agree on (the
+    # root call of a nested Module.apply reads weights of another module
+    # under a path of its own: it must not decide).
+    votes: dict[str, collections.Counter] = {}
     while stack:
       node, alias = stack.pop()
       if isinstance(node, Equation):
@@ -193,7 +198,11 @@ class _Substitution:
         tail = tuple(loc[1:])
         if len(keypath) > len(tail) and tuple(
             str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-          self.prefix.setdefault(loc[0], keypath[:len(keypath) - len(tail)])
+          votes.setdefault(loc[0], collections.Counter())[
+              tuple(keypath[:len(keypath) - len(tail)])] += 1
+
+    for collection, counts in votes.items():
+      self.prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
 
   # -- the walk
 
