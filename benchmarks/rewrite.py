@@ -8,8 +8,9 @@ downloads: ``FlaxBertModel(BertConfig(), seed=0)`` has random weights), or
 Prints, in one run:
 
 * ``yax.lora`` on every Dense layer (73 in BERT-base) of an already-traced
-  tree: the first call (includes JAX compiling the random init of each new
-  adapter shape), the warm median (goal: <= 0.5 s), the XPath query part
+  tree: the first call on a fresh tree (goal: < 0.3 s; it builds the
+  tree's XML view for the query and traces each adapter shape), the warm
+  median (goal: <= 0.5 s), the XPath query part
   alone and ``yax.lora`` given the pre-queried node list;
 * steady-state ``jax.jit`` runtime and XLA FLOPs of
   - the LoRA MoX: ``jit(lambda p, x: yax.eval_mox(res.mox, p, x))``;
@@ -177,7 +178,9 @@ def main(argv=None) -> None:
   print(f'yax.lora(rank={args.rank}) on {len(res.paths)} Dense layers: '
         f'{n_train:,} adapter weights of {n_params:,}')
   rows = [
-      ('yax.lora, first call', first, 'includes compiling the random init'),
+      ('yax.lora, first call', first,
+       f'goal < 0.3 s: {"OK" if first < 0.3 else "MISSED"} (builds the '
+       'XML view, traces each adapter shape)'),
       ('yax.lora, warm median', warm,
        f'goal <= 0.5 s: {"OK" if warm <= 0.5 else "MISSED"}'),
       ('  of which the query', query, DENSE),

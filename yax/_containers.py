@@ -125,6 +125,30 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
       'expected a Mapping (dict, FrozenDict ...), tuple or list')
 
 
+def set_many(tree, items: Sequence, *, _done: Sequence = ()):
+  """:func:`set_in` for several ``(keys, value)`` pairs at once: every
+  Mapping on the way is rebuilt once, not once per pair."""
+  if not items:
+    return tree
+  if any(not keys for keys, _ in items):
+    return [value for keys, value in items if not keys][-1]
+  if tree is None:
+    tree = {}
+  if not isinstance(tree, Mapping):  # sequences (and errors): one at a time
+    for keys, value in items:
+      tree = set_in(tree, keys, value, _done=_done)
+    return tree
+  groups: dict = {}
+  for keys, value in items:
+    groups.setdefault(same_key(tree, keys[0]), []).append((keys[1:], value))
+  new = dict(tree.items())
+  for key, sub in groups.items():
+    child = tree[key] if key in tree else (
+        rebuild(tree, {}) if any(rest for rest, _ in sub) else None)
+    new[key] = set_many(child, sub, _done=(*_done, key))
+  return rebuild(tree, new)
+
+
 def same_key(tree: Mapping, key):
   """``key``, or the key of ``tree`` that prints as ``key``: module paths
   are strings, while an NNX state keys list items by int (``layers/0``)."""

@@ -51,10 +51,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util as jtu
 
 from yax import _contraction, _rules
-from yax._containers import get_in, set_in, without
+from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax import _nnx
@@ -312,8 +313,8 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
                       var_tree, [0] * len(entries)))[0]]
   else:
     group = plan.kernel_keys[0]
-    var_dict = set_in(var_dict, (group, a_name), a)
-    var_dict = set_in(var_dict, (group, b_name), b)
+    var_dict = {**var_dict, group: {**var_dict.get(group, {}), a_name: a,
+                                    b_name: b}}
     var_inputs, var_tree = jtu.tree_flatten(
         var_dict, is_leaf=lambda s: isinstance(s, Symbol))
   outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
@@ -605,26 +606,32 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     plan = plans[id(node)]
     for name in plan.names:
       adapted[(tuple(node.path), name)] = plan
-  new_params, mask = params, jtu.tree_map(lambda _: False, params)
+  # Initial values on the host, from one generator seeded by ``key``: no
+  # XLA computation to compile per adapter shape.
+  rng = np.random.default_rng(
+      np.asarray(jax.random.key_data(key)).ravel().tolist())
+  values, flags = [], []
   for loc, var in sorted(done.added.items()):
     plan = adapted.get((tuple(loc[1:-1]), loc[-1]))
     if loc[0] != group or plan is None:
       raise SubstitutionError(
           f"internal: lora added a variable at {'/'.join(loc)}, which is not "
           'the adapter of a selected module')
+    shape, dtype = tuple(var.aval.shape), var.aval.dtype
     if loc[-1] == plan.names[0]:
-      key, sub_key = jax.random.split(key)
       fan_in = math.prod(plan.a_shape[:-1])
-      value = (jax.random.normal(sub_key, var.aval.shape, var.aval.dtype)
-               / jnp.sqrt(jnp.asarray(fan_in, var.aval.dtype)))
+      host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
     else:
-      value = jnp.zeros(var.aval.shape, var.aval.dtype)
+      host = np.zeros(shape, np.float32)
+    value = jax.device_put(host.astype(dtype))
     flag = True
     if group == NNX_GROUP:  # adapters are nnx.LoRAParam s in the state
       value = _nnx.variable_holding('LoRAParam', value)
       flag = _nnx.variable_holding('LoRAParam', True)
-    new_params = set_in(new_params, (*inside, *loc[1:]), value)
-    mask = set_in(mask, (*inside, *loc[1:]), flag)
+    values.append(((*inside, *loc[1:]), value))
+    flags.append(((*inside, *loc[1:]), flag))
+  new_params = set_many(params, values)
+  mask = set_many(jtu.tree_map(lambda _: False, params), flags)
   scale = alpha / rank
   merges = sorted({(path, plan.names): plan
                    for (path, _), plan in adapted.items()}.items())
