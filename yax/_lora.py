@@ -49,6 +49,7 @@ import math
 import numbers
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -624,14 +625,14 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     else:
       host = np.zeros(shape, np.float32)
     value = jax.device_put(host.astype(dtype))
-    flag = True
-    if group == NNX_GROUP:  # adapters are nnx.LoRAParam s in the state
-      value = _nnx.variable_holding('LoRAParam', value)
-      flag = _nnx.variable_holding('LoRAParam', True)
+    box = _adapter_box(get_in(params, (*inside, *loc[1:-1], plan.kernel_name)),
+                       plan, loc[-1] == plan.names[0], group == NNX_GROUP)
+    value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))
   new_params = set_many(params, values)
   mask = set_many(jtu.tree_map(lambda _: False, params), flags)
+  new_mox = _with_argument_structure(done.mox, prefix[:2], new_params)
   scale = alpha / rank
   merges = sorted({(path, plan.names): plan
                    for (path, _), plan in adapted.items()}.items())
@@ -666,7 +667,66 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
                                      (plan.kernel_name,), merged))
     return out
 
-  return LoraResult(done.mox, new_params, mask, merge, paths)
+  return LoraResult(new_mox, new_params, mask, merge, paths)
+
+
+def _with_argument_structure(root: Mox, where: tuple, value) -> Mox:
+  """``root`` expecting, at argument ``where`` (``(0, position)`` or
+  ``(1, name)``), the structure of ``value``: the adapters in the boxes
+  (``nn.Partitioned``, NNX Variables with metadata) ``lora`` returns them
+  in. The leaves and their order are unchanged."""
+  args, kwargs = jtu.tree_unflatten(root.in_tree, root.inputs)
+  holder = list(args) if where[0] == 0 else dict(kwargs)
+  leaves = jtu.tree_leaves(holder[where[1]],
+                           is_leaf=lambda s: isinstance(s, Symbol))
+  structure = jtu.tree_structure(value)
+  if structure.num_leaves != len(leaves):
+    raise SubstitutionError(
+        f'internal: lora returns params with {structure.num_leaves} arrays '
+        f'but the rewritten tree reads {len(leaves)}')
+  holder[where[1]] = jtu.tree_unflatten(structure, leaves)
+  if where[0] == 0:
+    args = type(args)(holder) if isinstance(args, tuple) else holder
+  else:
+    kwargs = holder
+  inputs, in_tree = jtu.tree_flatten((args, kwargs),
+                                     is_leaf=lambda s: isinstance(s, Symbol))
+  if inputs != list(root.inputs):
+    raise SubstitutionError(
+        'internal: giving the adapters their boxes reordered the inputs')
+  return root.replace(in_tree=in_tree)
+
+
+def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
+  """How an adapter is held, from how its kernel is: NNX adapters are
+  ``nnx.LoRAParam`` s; a kernel with axis names (Linen ``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``; NNX sharding metadata) gives its adapters
+  the names of their axes (``A``: the contracted axes' names then None,
+  ``B``: None then the other axes' names; a stacked kernel's leading names
+  lead both)."""
+  axes = plan.a_axes if is_a else plan.b_axes
+
+  def adapter_names(names):
+    names = tuple(names)
+    n_stack = len(names) - len(plan.kernel_shape)
+    if n_stack < 0:
+      return None
+    return names[:n_stack] + tuple(
+        None if v is None else names[n_stack + v] for v in axes)
+
+  if is_nnx:
+    found = _nnx.sharding_names(kernel)
+    names = adapter_names(found[1]) if found else None
+    if names is None:
+      return lambda v: _nnx.variable_holding('LoRAParam', v)
+    return lambda v: _nnx.variable_like('LoRAParam', v, kernel,
+                                        **{found[0]: names})
+  names = getattr(kernel, 'names', None)
+  if isinstance(kernel, nn.meta.AxisMetadata) and isinstance(
+      names, (tuple, list)) and adapter_names(names) is not None:
+    new = adapter_names(names)
+    return lambda v: kernel.replace(value=v, names=new)
+  return lambda v: v
 
 
 def _unboxed(x):

@@ -420,6 +420,38 @@ def variable_holding(kind: str, value, like=None):
   return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
 
 
+SHARDING_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+
+
+def variable_like(kind: str, value, like, **changes):
+  """A Variable of type ``kind`` holding ``value`` with the metadata of
+  ``like`` (a Variable) updated by ``changes``, built without sharding a
+  value (its ``eager_sharding`` flag is kept as metadata)."""
+  meta = {**_metadata(like), **changes}
+  eager = meta.pop('eager_sharding', None)
+  cls = variable_type(kind)
+  try:
+    if eager is None:
+      proto = cls(np.zeros((), np.float32), **meta)
+    else:
+      proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
+      proto.set_metadata('eager_sharding', eager)
+  except Exception:  # noqa: BLE001 - metadata this type does not take
+    proto = cls(np.zeros((), np.float32))
+  return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
+
+
+def sharding_names(var) -> tuple[str, tuple] | None:
+  """``(metadata key, axis names)`` of a Variable annotated with
+  ``nnx.with_partitioning`` (or sharding metadata), else None."""
+  meta = _metadata(var)
+  for key in SHARDING_KEYS:
+    names = meta.get(key)
+    if isinstance(names, (tuple, list)):
+      return key, tuple(names)
+  return None
+
+
 def _metadata(var) -> dict:
   get = getattr(var, 'get_metadata', None)
   meta = dict(get()) if callable(get) else {}

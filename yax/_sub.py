@@ -78,7 +78,7 @@ def var_keys(mox: Mox) -> list[tuple]:
   if mox.num_vars == 0:
     return []
   placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
-  keys = [tuple(str(_key_name(k)) for k in kp)
+  keys = [tuple(str(_key_name(k)) for k in _unboxed_path(kp))
           for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
   if isinstance(placeholders, _nnx.VariableTree):
     return [(NNX_GROUP, *k) for k in keys]
@@ -96,16 +96,22 @@ def var_kind(mox: Mox, index: int) -> tuple[str, bool]:
   return col, col == 'params'
 
 
+def _unboxed_path(keypath: tuple) -> tuple:
+  """A key path without the ``value`` field of the box that holds the
+  array (a Linen ``nn.Partitioned``, an NNX Variable)."""
+  if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
+      keypath[-1].name == 'value':
+    return keypath[:-1]
+  return keypath
+
+
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
   placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
   out = {}
   for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
-        keypath[-1].name == 'value':
-      keypath = keypath[:-1]
-    out[root.inputs[i]] = tuple(_key_name(k) for k in keypath)
+    out[root.inputs[i]] = tuple(_key_name(k) for k in _unboxed_path(keypath))
   return out
 
 
