@@ -116,3 +116,29 @@ def test_gelu_swap_small(tmp_path):
   m = find(r'params trained through the tree vs the reference BERT: max '
            r'\|diff\| = ([\d.e+-]+)', out)
   assert float(m.group(1)) < 1e-5
+
+
+def test_lora_sharded_small():
+  """LoRA on every linear layer of a logically sharded Llama-style model on
+  8 host devices: adapters named and sharded like their kernels, one step on
+  the mesh equals one on a device, the loss goes down; then an abstract
+  adapter plan (nothing materialised)."""
+  pytest.importorskip('optax')
+  out = run_example('lora_sharded.py', '--small')
+  find(r"lora_a \('layers', 'embed', None\) \(2, 32, 4\), lora_b "
+       r"\('layers', None, 'heads', 'kv'\) \(2, 4, 4, 8\)", out)
+  find(r"q kernel PartitionSpec\(None, 'tp', 'fsdp', None\), its lora_a "
+       r"PartitionSpec\(None, 'fsdp', None\)|q kernel P\(None, 'tp', 'fsdp', "
+       r"None\), its lora_a P\(None, 'fsdp', None\)", out)
+  m = find(r'max \|param diff\| ([\d.e+-]+)', out)
+  assert float(m.group(1)) < 1e-5
+  m = find(r'loss went down: ([\d.]+) -> ([\d.]+); frozen weights unchanged: '
+           r'True', out)
+  assert float(m.group(2)) < float(m.group(1))
+  m = find(r'merged into the kernels, the model itself: max \|diff\| = '
+           r'([\d.e+-]+)', out)
+  assert float(m.group(1)) < 1e-4
+  m = find(r'([\d.]+)B parameters \(abstract, nothing materialised\)', out)
+  assert 1.0 < float(m.group(1)) < 1.2
+  find(r"layers/q/lora_b +\(22, 16, 16, 128\) +\('layers', None, 'heads', "
+       r"'kv'\)", out)

@@ -73,6 +73,10 @@ def _tensorflow_placeholder():
 def import_gemma():
   """``gemma.gm`` (its ``nn`` namespace loads lazily: touched here, under
   the placeholder, so that every module the model needs is imported)."""
+  # Importing gemma replaces flax.linen.Module.param, for good, by a wrapper
+  # that needs a `shape` argument (gemma/gm/utils/_dtype_params.py): Flax's
+  # own is put back, so that every other test sees Flax as it is.
+  param = nn.Module.param
   try:
     with _tensorflow_placeholder():
       from gemma import gm
@@ -80,6 +84,8 @@ def import_gemma():
       gm.nn.Transformer, gm.nn.config.TransformerConfig, gm.nn.AttentionType
   except ImportError as e:
     _missing('gemma 3.3.0 (with kauldron 1.4.2)', e)
+  finally:
+    nn.Module.param = param
   return gm, _modules
 
 
@@ -219,14 +225,7 @@ def gemma():
   )
   model = gm.nn.Transformer(config=config, dtype=jnp.float32)
   tokens = (jnp.arange(B * L).reshape(B, L) * 7) % 63 + 1   # no padding (0)
-  # gemma's Transformer.init replaces flax.linen.Module.param, for good, by
-  # a wrapper that needs a `shape` argument: put Flax's own back so that
-  # tests collected after this file see Flax as it is.
-  param = nn.Module.param
-  try:
-    variables = random_variables(model, 0, tokens)
-  finally:
-    nn.Module.param = param
+  variables = random_variables(model, 0, tokens)
   # Prefill into a KV cache longer than the prompt, as gemma's sampler does:
   # the causal mask spans the cache.
   cache = config.init_cache(batch_size=B, dtype=jnp.float32,

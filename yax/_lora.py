@@ -619,14 +619,10 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           f"internal: lora added a variable at {'/'.join(loc)}, which is not "
           'the adapter of a selected module')
     shape, dtype = tuple(var.aval.shape), var.aval.dtype
-    if loc[-1] == plan.names[0]:
-      fan_in = math.prod(plan.a_shape[:-1])
-      host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
-    else:
-      host = np.zeros(shape, np.float32)
-    value = jax.device_put(host.astype(dtype))
-    box = _adapter_box(get_in(params, (*inside, *loc[1:-1], plan.kernel_name)),
-                       plan, loc[-1] == plan.names[0], group == NNX_GROUP)
+    kernel = get_in(params, (*inside, *loc[1:-1], plan.kernel_name))
+    is_a = loc[-1] == plan.names[0]
+    value = _adapter_value(_unboxed(kernel), plan, is_a, shape, dtype, rng)
+    box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP)
     value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))
@@ -697,6 +693,44 @@ def _with_argument_structure(root: Mox, where: tuple, value) -> Mox:
   return root.replace(in_tree=in_tree)
 
 
+def _adapter_axis_names(names, plan: _Plan, is_a: bool):
+  """Per-axis names (or mesh axes) of an adapter, from its kernel's: ``A``
+  the contracted axes' then None, ``B`` None then the other axes'; leading
+  names of a stacked kernel lead both. None if they do not fit."""
+  names = tuple(names)
+  n_stack = len(names) - len(plan.kernel_shape)
+  if n_stack < 0:
+    return None
+  axes = plan.a_axes if is_a else plan.b_axes
+  return names[:n_stack] + tuple(
+      None if v is None else names[n_stack + v] for v in axes)
+
+
+def _adapter_value(kernel, plan: _Plan, is_a: bool, shape, dtype, rng):
+  """The initial adapter (``A`` random, ``B`` zero): an abstract
+  ``ShapeDtypeStruct`` for an abstract kernel (nothing materialised), else
+  an array; sharded over the kernel's mesh like the kernel's axes."""
+  sharding = getattr(kernel, 'sharding', None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    ndim = len(kernel.shape)
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    spec = _adapter_axis_names(spec, plan, is_a)
+    sharding = (jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*spec))
+                if spec is not None else None)
+  else:
+    sharding = None
+  if isinstance(kernel, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  if is_a:
+    fan_in = math.prod(plan.a_shape[:-1])
+    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
+  else:
+    host = np.zeros(shape, np.float32)
+  host = host.astype(dtype)
+  return jax.device_put(host, sharding) if sharding else jax.device_put(host)
+
+
 def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
   """How an adapter is held, from how its kernel is: NNX adapters are
   ``nnx.LoRAParam`` s; a kernel with axis names (Linen ``nn.Partitioned``,
@@ -704,16 +738,7 @@ def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
   the names of their axes (``A``: the contracted axes' names then None,
   ``B``: None then the other axes' names; a stacked kernel's leading names
   lead both)."""
-  axes = plan.a_axes if is_a else plan.b_axes
-
-  def adapter_names(names):
-    names = tuple(names)
-    n_stack = len(names) - len(plan.kernel_shape)
-    if n_stack < 0:
-      return None
-    return names[:n_stack] + tuple(
-        None if v is None else names[n_stack + v] for v in axes)
-
+  adapter_names = lambda names: _adapter_axis_names(names, plan, is_a)
   if is_nnx:
     found = _nnx.sharding_names(kernel)
     names = adapter_names(found[1]) if found else None
