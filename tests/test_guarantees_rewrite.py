@@ -340,31 +340,49 @@ class TiedLM(nn.Module):
     return logits + aux
 
 
-def test_lora_refuses_tied_heads_in_linen_and_never_uses_the_root():
+def test_tied_heads_get_call_site_adapters_never_at_the_root():
+  """The heads are applied through nested Module.apply calls with the
+  embeddings transposed: each gets its own adapter under the calling
+  module's path and its own name, never at the params root; merge refuses
+  (a merged head would no longer be tied)."""
   model = TiedLM()
   ids = jnp.array([[1, 4, 7], [2, 3, 9]])
   variables = model.init(jax.random.key(0), ids)
   mox = yax.make_mox(model.apply)(variables, ids)
   heads = yax.query('//module_call[@type="Dense" and @name!="proj"]', mox)
   assert [h.path for h in heads] == [(), ()]  # both at the nested apply's root
-  with pytest.raises(yax.SubstitutionError) as info:
-    yax.lora(mox, variables, '//module_call[@type="Dense"]')
-  message = str(info.value)
-  assert "Dense at path '<root>' (name 'lm_head')" in message
-  assert "(name 'aux_head')" in message and 'computed in the model' in message
-  suggested = message.splitlines()[-1].strip()
-  assert suggested == (
-      '//module_call[@type="Dense"][not((@type="Dense" and @name="lm_head" and '
-      'string(@path)="") or (@type="Dense" and @name="aux_head" and '
-      'string(@path)=""))]')
-  res = lora_ok(yax.lora(mox, variables, suggested, rank=3, alpha=6.0))
-  assert res.paths == [('proj',)]
-  assert set(res.params['params']) == set(variables['params'])  # root intact
+  res = lora_ok(yax.lora(mox, variables, '//module_call[@type="Dense"]',
+                         rank=3, alpha=6.0))
+  assert res.paths == [('aux_head',), ('lm_head',), ('proj',)]
+  p = res.params['params']
+  assert set(p) == set(variables['params']) | {'lm_head', 'aux_head'}
+  assert 'lora_a' not in p and 'lora_b' not in p  # never at the root
+  assert set(p['lm_head']) == {'lora_a', 'lora_b'}
+  assert p['lm_head']['lora_a'].shape == (6, 3)
+  assert p['lm_head']['lora_b'].shape == (3, 11)
+  close(yax.eval_mox(res.mox, res.params, ids), model.apply(variables, ids))
   trained = bump(res)
-
-  ref = TiedLM(lora_rank=3, lora_alpha=6.0).apply(trained, ids)
+  # By hand: proj with its adapter; each head h @ (embedding.T + s A B).
+  t = trained['params']
+  h = HandLoRADense(6, 3, 6.0).apply({'params': t['proj']},
+                                     t['wte']['embedding'][ids])
+  s = 6.0 / 3
+  ref = (h @ (t['wte']['embedding'].T + s * t['lm_head']['lora_a']
+              @ t['lm_head']['lora_b'])
+         + h @ (t['wpe']['embedding'].T + s * t['aux_head']['lora_a']
+                @ t['aux_head']['lora_b']))
   close(yax.eval_mox(res.mox, trained, ids), ref)
-  close(model.apply(res.merge(trained), ids), ref)
+  with pytest.raises(yax.SubstitutionError,
+                     match=r"(?s)params\['params'\]\['aux_head'\].*call-site adapter.*"
+                           r'computed in the model.*could no longer be tied'):
+    res.merge(trained)
+  # Without the heads, the adapters merge.
+  only = lora_ok(yax.lora(mox, variables, '//module_call[@name="proj"]',
+                          rank=3, alpha=6.0))
+  trained = bump(only)
+  ref = TiedLM(lora_rank=3, lora_alpha=6.0).apply(trained, ids)
+  close(yax.eval_mox(only.mox, trained, ids), ref)
+  close(model.apply(only.merge(trained), ids), ref)
 
 
 def test_lora_on_hf_gpt_neo_with_a_tied_head():
@@ -375,11 +393,14 @@ def test_lora_on_hf_gpt_neo_with_a_tied_head():
   model = FlaxGPTNeoForCausalLM(config, seed=0)
   ids = jnp.array([[1, 5, 7, 3]])
   mox = yax.make_mox(model)(ids, params=model.params)
-  with pytest.raises(yax.SubstitutionError,
-                     match=r"(?s)Dense at path '<root>' \(name 'lm_head'\): its "
-                           r'kernel f32\[8,40\] is computed.*not\(@type="Dense" '
-                           r'and @name="lm_head" and string\(@path\)=""\)'):
-    yax.lora(mox, model.params, '//module_call[@type="Dense"]')
+  every = lora_ok(yax.lora(mox, model.params, '//module_call[@type="Dense"]',
+                           rank=2))
+  assert ('lm_head',) in every.paths and len(every.paths) == 7
+  assert set(every.params['lm_head']) == {'lora_a', 'lora_b'}
+  close(yax.eval_mox(every.mox, ids, params=every.params).logits,
+        model(ids, params=model.params).logits)
+  with pytest.raises(yax.SubstitutionError, match='could no longer be tied'):
+    every.merge(bump(every, 0.05))
   suggested = ('//module_call[@type="Dense"][not(@type="Dense" and '
                '@name="lm_head" and string(@path)="")]')
   res = lora_ok(yax.lora(mox, model.params, suggested, rank=2))

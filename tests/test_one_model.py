@@ -114,7 +114,7 @@ class Tied(nnx.Module):
     return self.b(self.a(x))
 
 
-def test_tied_param_is_an_input_of_both_calls_and_lora_refuses_it():
+def test_tied_param_is_an_input_of_both_calls_and_its_adapter_never_merges():
   model = Tied(nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   fn = lambda s, x: nnx.merge(graphdef, s)(x)
@@ -125,11 +125,25 @@ def test_tied_param_is_an_input_of_both_calls_and_lora_refuses_it():
   kernel_b = b.var_inputs[_sub.var_keys(b).index(('nnx', 'kernel'))]
   assert kernel_a is kernel_b
   assert yax.summary(mox)[0].params == _param_count(model)
-  # Adapting either call and merging would change the other call too.
-  with pytest.raises(yax.SubstitutionError, match='tied'):
-    yax.lora(mox, state, '//module_call[@type="Linear"][@path="a"]')
-  with pytest.raises(yax.SubstitutionError, match="kernel"):
-    yax.lora(mox, state, '//module_call[@type="Linear"][@path="b"]')
+  # The adapter sits at the call site (a's path) and trains without
+  # touching the shared kernel; merging it would change b too: refused.
+  res = yax.lora(mox, state, '//module_call[@type="Linear"][@path="a"]',
+                 rank=2)
+  assert res.paths == [('a',)] and 'lora_a' not in res.params['b']
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, X),
+                             fn(state, X), rtol=1e-5, atol=1e-5)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  a_, b_ = trained['a']['lora_a'][...], trained['a']['lora_b'][...]
+  k = state['a']['kernel'][...]
+  h = X @ (k + 0.5 * a_ @ b_) + state['a']['bias'][...]
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, X),
+                             h @ k + state['b']['bias'][...], rtol=1e-5,
+                             atol=1e-5)
+  with pytest.raises(yax.SubstitutionError,
+                     match=r"(?s)also read by module_call Linear at path 'b'"
+                           '.*could no longer be tied'):
+    res.merge(trained)
 
 
 def test_split_form_paths_come_from_the_state():

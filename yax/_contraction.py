@@ -311,3 +311,13 @@ def _depends(sym, cone: set, producers: dict, flat: _Flattener) -> bool:
     if producer is not None:
       stack.extend(t for t in producer.inputs if not _is_literal(t))
   return False
+
+
+def reads(node: Mox, sym: Symbol) -> bool:
+  """Whether an equation of ``node``'s body (call bodies looked through)
+  reads ``sym``, one of the node's inputs."""
+  flat = _Flattener()
+  flat.node_children(node.children)
+  target = flat.canon(sym)
+  return any(not _is_literal(s) and s is target
+             for eqn in flat.eqns for s in eqn.inputs)

@@ -112,6 +112,10 @@ class _Plan:
   a_axes: tuple  # kernel axis of each axis of A (None: the rank)
   b_axes: tuple
   names: tuple = _ADAPTER_NAMES  # the adapters' variable names
+  # Where the adapters live: the module path (None: the node's own), and,
+  # for a call-site adapter, why merging it into the kernel is refused.
+  place: tuple | None = None
+  tied: str | None = None
 
   @property
   def kernel_name(self) -> str:
@@ -203,13 +207,11 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
   return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
 
 
-def _delta(plan: _Plan, x, a, b):
+def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
   """The change of the contraction's output for the kernel change
   ``A @ B``, computed without forming it: ``(x A) B``."""
-  c = plan.contraction
   if c.kind == 'dot_general':
-    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(
-        c, len(plan.kernel_shape), x.ndim)
+    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim)
     h = jnp.einsum(f'{x_sub},{a_sub}->{h_sub}', x, a)
     return jnp.einsum(f'{h_sub},{b_sub}->{out}', h, b)
   params = dict(c.params)
@@ -239,28 +241,31 @@ def _kernel_delta(plan: _Plan, a, b):
 # trace serves every node of the same plan: BERT-base's 73 Dense layers need
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
-def _traced_adapter(plan: _Plan, x_aval, y_aval, dtype, scale):
+def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
+                    x_aval, y_aval, dtype, scale):
   def adapter(y, x, a, b):
-    for step in plan.contraction.x_steps:
+    for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(plan, x.astype(dtype), a, b)
-    delta = (scale * delta).astype(plan.contraction.z_aval.dtype)
-    for step in plan.contraction.y_steps:
+    delta = _delta(c, k_ndim, x.astype(dtype), a, b)
+    delta = (scale * delta).astype(c.z_aval.dtype)
+    for step in c.y_steps:
       delta = step.apply(delta)
     return y + delta.astype(y.dtype)
   spec = jax.ShapeDtypeStruct
   return make_mox(adapter)(
       spec(y_aval.shape, y_aval.dtype), spec(x_aval.shape, x_aval.dtype),
-      spec(plan.a_shape, dtype), spec(plan.b_shape, dtype))
+      spec(a_shape, dtype), spec(b_shape, dtype))
 
 
-def _adapter_mox(plan, x_aval, y_aval, dtype, scale):
+def _adapter_mox(plan: _Plan, x_aval, y_aval, dtype, scale):
+  args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
+          plan.b_shape, x_aval, y_aval, dtype, scale)
   try:
-    return _traced_adapter(plan, x_aval, y_aval, dtype, scale)
+    return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
     if 'unhashable' not in str(e):
       raise
-    return _traced_adapter.__wrapped__(plan, x_aval, y_aval, dtype, scale)
+    return _traced_adapter.__wrapped__(*args)
 
 
 def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
@@ -314,8 +319,13 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
                       var_tree, [0] * len(entries)))[0]]
   else:
     group = plan.kernel_keys[0]
-    var_dict = {**var_dict, group: {**var_dict.get(group, {}), a_name: a,
-                                    b_name: b}}
+    # Relative to the node: () next to its kernel, the calling module's
+    # path and the head's name for a nested apply's root (path ()).
+    rel = tuple(plan.place[len(node.path):])
+    adapters = {a_name: a, b_name: b}
+    for key in reversed(rel):
+      adapters = {key: adapters}
+    var_dict = {**var_dict, group: {**var_dict.get(group, {}), **adapters}}
     var_inputs, var_tree = jtu.tree_flatten(
         var_dict, is_leaf=lambda s: isinstance(s, Symbol))
   outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
@@ -352,26 +362,39 @@ def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
   return None, 'computed in the model'
 
 
-def _kernel_owners(mox: Mox) -> dict:
-  """Parameter symbol -> paths of the module calls that hold it as their
-  own parameter (more than one path: weights tied across modules)."""
-  owners: dict = {}
+def _kernel_holders(mox: Mox) -> dict:
+  """Parameter symbol -> the module calls that hold it as their own
+  parameter (several: a module called twice, Embed's lookup and attend, a
+  Param tied across NNX modules)."""
+  holders: dict = {}
   for node in iter_nodes(mox):
     if isinstance(node, Mox) and not node.is_ephemeral:
       for keys, sym in zip(var_keys(node), node.var_inputs, strict=True):
         if len(keys) == 2:
-          owners.setdefault(sym, set()).add(node.path)
-  return owners
+          holders.setdefault(sym, []).append(node)
+  return holders
+
+
+def _reads(node: Mox, sym: Symbol) -> bool:
+  """Whether an equation of ``node``'s body reads ``sym``."""
+  return _contraction.reads(node, sym)
 
 
 def _xpath_string(text: str) -> str:
   return f"'{text}'" if '"' in text else f'"{text}"'
 
 
-def _excluding(node: Mox) -> str:
-  """An XPath condition true exactly for ``node``'s call site(s)."""
+def _excluding(node: Mox, others=()) -> str:
+  """An XPath condition true exactly for ``node``'s call site(s); with
+  its method when ``others`` (the rest of the selection) holds a call of
+  another method at the same path (Embed's lookup next to its attend)."""
   if node.path:
-    return f'@path={_xpath_string(_path_str(node))}'
+    condition = f'@path={_xpath_string(_path_str(node))}'
+    if node.entrypoint and any(
+        o.path == node.path and o.entrypoint != node.entrypoint
+        for o in others if isinstance(o, Mox)):
+      condition += f' and @method={_xpath_string(node.entrypoint)}'
+    return condition
   parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
   if node.name:
     parts.append(f'@name={_xpath_string(node.name)}')
@@ -379,11 +402,11 @@ def _excluding(node: Mox) -> str:
   return ' and '.join(parts)
 
 
-def _hint(problems, selection) -> str:
+def _hint(problems, selection, targets=()) -> str:
   """The selection with a predicate that leaves the problem modules out."""
   conditions = list(dict.fromkeys(
-      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(n)
-      for n, _, wrapped in problems))
+      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
+          n, targets) for n, _, wrapped in problems))
   if len(conditions) > 1:
     conditions = [f'({c})' if ' and ' in c else c for c in conditions]
   predicate = f"[not({' or '.join(conditions)})]"
@@ -406,7 +429,7 @@ def _refuse(problems, chosen: Selection, selection):
   raise SubstitutionError(
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
-      '\n' + _hint(problems, selection))
+      '\n' + _hint(problems, selection, chosen.targets))
 
 
 # ---------------------------------------------------------- argument checks
@@ -530,7 +553,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   keypaths = root_keypaths(mox)
   adapter_places = {kp for kp in keypaths.values()
                     if kp and _is_adapter_name(kp[-1])}
-  owners = _kernel_owners(mox)
+  holders = _kernel_holders(mox)
   problems, plans = [], {}
   for node in chosen.targets:
     ancestors = chosen.ancestors[id(node)]
@@ -554,43 +577,82 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       problems.append((node, plan, False))
       continue
     kernel = node.var_inputs[plan.contraction.kernel_index]
-    others = sorted('/'.join(p) for p in owners.get(kernel, ()) - {node.path})
-    if others:
-      problems.append((
-          node, f'its kernel {kernel.type_str} is tied to the module(s) at '
-          f'{", ".join(others)}: an adapter merged into it would change '
-          'them too', False))
-      continue
+    method = node.entrypoint if node.entrypoint not in (None, '__call__') \
+        else None
+    names = (tuple(f'{method}_{n}' for n in _ADAPTER_NAMES) if method
+             else _ADAPTER_NAMES)
     keypath, why = _kernel_source(kernel, ancestors, keypaths)
-    place = (*prefix, *node.path, *plan.kernel_keys[1:])
-    if keypath is None or tuple(map(str, keypath)) != tuple(map(str, place)):
-      found = (f'the traced argument {_arg_str(keypath)}' if why is None
-               else why)
+    own_place = (*prefix, *node.path, *plan.kernel_keys[1:])
+    if keypath is not None and tuple(map(str, keypath)) == tuple(
+        map(str, own_place)):
+      if any(p[:-1] == keypath[:-1] and p[-1] in (
+          *names, *(f'{plan.kernel_name}_{n}' for n in names))
+             for p in adapter_places):
+        problems.append((node, 'it already carries an adapter (the traced '
+                         f'arguments hold {_arg_str(keypath[:-1])}'
+                         f'[{names[0]!r}/{names[1]!r}])', False))
+        continue
+      plans[id(node)] = dataclasses.replace(plan, names=names,
+                                            place=tuple(node.path))
+      continue
+    # A head applied through a nested Module.apply with a kernel it does
+    # not own (a tied embedding, transposed): its adapter sits at the call
+    # site, under the calling module's path and the head's name.
+    found = (f'the traced argument {_arg_str(keypath)}' if why is None
+             else why)
+    caller = next((a for a in reversed(ancestors) if isinstance(a, Mox)
+                   and not a.is_ephemeral), None)
+    if node.path or not node.name or caller is None:
       problems.append((
           node, f'its kernel {kernel.type_str} is {found}, not the parameter '
-          f'{_arg_str(place)} (a module applied through a nested '
-          'Module.apply, e.g. a head tied to the embedding), so an adapter '
-          'would not sit next to its kernel in the params tree', False))
+          f'{_arg_str(own_place)}, so an adapter would not sit next to its '
+          'kernel in the params tree', False))
       continue
-    if any(p[:-1] == keypath[:-1] for p in adapter_places):
-      problems.append((node, 'it already carries an adapter (the traced '
-                       f'arguments hold {_arg_str(keypath[:-1])}'
-                       "['lora_a'/'lora_b'])", False))
+    place = (*caller.path, node.name)
+    if any(tuple(map(str, kp[:len(prefix) + len(place)])) == tuple(
+        map(str, (*prefix, *place))) for kp in keypaths.values()):
+      problems.append((
+          node, f'its kernel {kernel.type_str} is {found}; its call-site '
+          f'adapter would go to {_arg_str((*prefix, *place))}, which holds '
+          'variables of another module', False))
       continue
-    plans[id(node)] = plan
+    plans[id(node)] = dataclasses.replace(
+        plan, names=names, place=place,
+        tied=f'its kernel is {found} (a head tied to an embedding)')
   if problems:
     _refuse(problems, chosen, selection)
-  # Adapters are 'lora_a'/'lora_b' next to their kernel; where one scope
-  # holds several adapted kernels (nn.share_scope), each pair is named after
-  # its kernel: 'linear_lora_a'.
-  kernels_at: dict = {}
-  for node in chosen.targets:
-    kernels_at.setdefault(node.path, set()).add(plans[id(node)].kernel_name)
+  # A kernel read by a call that does not carry the same adapter (an
+  # embedding lookup next to Embed.attend, a Param shared by two NNX
+  # modules): the adapter sits at this call site and is never merged.
   for node in chosen.targets:
     plan = plans[id(node)]
-    if len(kernels_at[node.path]) > 1:
+    if plan.tied is not None:
+      continue
+    kernel = node.var_inputs[plan.contraction.kernel_index]
+    inside_node = {id(n) for n in iter_nodes(node)}
+    above = {id(a) for a in chosen.ancestors[id(node)]}
+    others = [
+        h for h in holders.get(kernel, ())
+        if id(h) not in inside_node and id(h) not in above
+        and not (id(h) in plans and plans[id(h)].place == plan.place
+                 and plans[id(h)].names == plan.names)
+        and _reads(h, kernel)]
+    if others:
+      plans[id(node)] = dataclasses.replace(plan, tied=(
+          'its kernel is also read by ' + ', '.join(sorted(
+              {f'{describe(h)} (method {h.entrypoint})' for h in others}))))
+  # Where one scope holds several adapted kernels (nn.share_scope), each
+  # pair is named after its kernel: 'linear_lora_a'.
+  kernels_at: dict = {}
+  for node in chosen.targets:
+    plan = plans[id(node)]
+    kernels_at.setdefault((plan.place, plan.names), set()).add(
+        plan.kernel_name)
+  for node in chosen.targets:
+    plan = plans[id(node)]
+    if len(kernels_at[(plan.place, plan.names)]) > 1:
       plans[id(node)] = dataclasses.replace(plan, names=tuple(
-          f'{plan.kernel_name}_{n}' for n in _ADAPTER_NAMES))
+          f'{plan.kernel_name}_{n}' for n in plan.names))
 
   def make(path, node):
     return _lora_template(node, plans[id(node)], rank, alpha)
@@ -606,7 +668,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   for node in chosen.targets:
     plan = plans[id(node)]
     for name in plan.names:
-      adapted[(tuple(node.path), name)] = plan
+      adapted[(tuple(plan.place), name)] = plan
   # Initial values on the host, from one generator seeded by ``key``: no
   # XLA computation to compile per adapter shape.
   rng = np.random.default_rng(
@@ -619,7 +681,8 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           f"internal: lora added a variable at {'/'.join(loc)}, which is not "
           'the adapter of a selected module')
     shape, dtype = tuple(var.aval.shape), var.aval.dtype
-    kernel = get_in(params, (*inside, *loc[1:-1], plan.kernel_name))
+    # None for a call-site adapter of a head whose kernel is not here.
+    kernel = _get_or_none(params, (*inside, *loc[1:-1], plan.kernel_name))
     is_a = loc[-1] == plan.names[0]
     value = _adapter_value(_unboxed(kernel), plan, is_a, shape, dtype, rng)
     box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP)
@@ -638,6 +701,18 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     """Folds ``kernel + (alpha/rank) * A @ B`` (in the kernel's layout) for
     every adapter and returns params for the original tree (adapters
     removed), in ``trained``'s container types."""
+    tied = [(path, plan) for (path, _), plan in merges if plan.tied]
+    if tied:
+      raise SubstitutionError(
+          'merge: ' + '; '.join(
+              f"the adapter at params"
+              f"{''.join(f'[{k!r}]' for k in (*inside, *path))} "
+              f'({plan.names[0]}/{plan.names[1]}) is a call-site adapter: '
+              f'{plan.tied}' for path, plan in tied) +
+          '. Merged into that kernel it would change every other reader '
+          'too, so a tied head could no longer be tied: keep the adapters '
+          '(run res.mox with the trained params), or leave these modules '
+          'out of the selection to get mergeable adapters')
     out = trained
     for (module_path, names), plan in merges:
       keys = (*inside, *module_path)
@@ -664,6 +739,13 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     return out
 
   return LoraResult(new_mox, new_params, mask, merge, paths)
+
+
+def _get_or_none(tree, keys):
+  try:
+    return get_in(tree, keys)
+  except SubstitutionError:
+    return None
 
 
 def _with_argument_structure(root: Mox, where: tuple, value) -> Mox:
