@@ -280,3 +280,41 @@ def test_nnx_layout(name, a_shape, b_shape, subscripts):
   np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
   np.testing.assert_allclose(run(res.merge(trained), x), want, **TOL)
   check_adapter_gradients(res, trained, x)
+
+
+def test_hf_gpt2_every_adapter_gets_a_gradient():
+  """Hugging Face GPT-2: FlaxConv1D kernels [in, out] contracted by
+  dot_general on their first axis (c_attn, c_proj, c_fc) and the head tied
+  to the embedding (a call-site adapter): every adapter is on the data path
+  and gets a nonzero gradient under jax.jit(jax.grad(...))."""
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  config = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2,
+                      n_head=2)
+  model = FlaxGPT2LMHeadModel(config, seed=0)
+  ids = jnp.array([[1, 5, 7, 3, 9]])
+  mox = yax.make_mox(model)(ids, params=model.params)
+  res = yax.lora(mox, model.params, '//module_call[@type="FlaxConv1D" or '
+                 '@type="Dense"]', rank=2, alpha=4.0)
+  yax.check_mox(res.mox)
+  # c_attn, c_proj (attention), c_fc, c_proj (MLP) per block, and the head.
+  assert len(res.paths) == 4 * 2 + 1 and ('lm_head',) in res.paths
+  np.testing.assert_allclose(
+      yax.eval_mox(res.mox, ids, params=res.params).logits,
+      model(ids, params=model.params).logits, **TOL)
+  trained = perturbed(res)
+  loss = lambda p: jnp.sum(jnp.sin(
+      yax.eval_mox(res.mox, ids, params=p).logits))
+  grads = jax.jit(jax.grad(loss))(trained)
+  norms = {jax.tree_util.keystr(k): float(jnp.abs(g).sum())
+           for (k, g), m in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                jax.tree.leaves(res.mask), strict=True) if m}
+  assert len(norms) == 2 * 9
+  assert all(n > 0 for n in norms.values()), norms
+  # The block's adapters merge exactly (the tied head's is refused).
+  blocks = yax.lora(mox, model.params, '//module_call[@type="FlaxConv1D"]',
+                    rank=2, alpha=4.0)
+  trained = perturbed(blocks)
+  np.testing.assert_allclose(
+      model(ids, params=blocks.merge(trained)).logits,
+      yax.eval_mox(blocks.mox, ids, params=trained).logits, rtol=1e-4,
+      atol=1e-4)
