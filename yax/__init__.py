@@ -37,6 +37,7 @@ from yax._serialize import dump_xml as dump_xml
 from yax._serialize import dump_yson as dump_yson
 from yax._serialize import to_dict as to_dict
 from yax._serialize import to_json as to_json
+from yax._init import init_params as init_params
 from yax._lora import LoraResult as LoraResult
 from yax._lora import lora as lora
 from yax._sub import sub as sub

@@ -31,7 +31,7 @@ from jax import tree_util as jtu
 from yax import _lower, _nnx, _rules
 from yax._containers import set_in
 from yax._errors import SubstitutionError
-from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var
+from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, iter_nodes
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -168,6 +168,8 @@ class _Substitution:
     self.added: dict[Loc, Var] = {}  # new variables by location
     # NNX: the Variable type of each new variable, by location.
     self.kinds: dict[Loc, str] = {}
+    # Per enclosing module call: how many sites of each replacement type.
+    self.site_counts: dict[int, dict[str, int]] = {}
     self._index_root()
 
   # -- where variables live in the root arguments
@@ -184,6 +186,7 @@ class _Substitution:
     # root call of a nested Module.apply reads weights of another module
     # under a path of its own: it must not decide).
     votes: dict[str, collections.Counter] = {}
+    all_locs: set = set()
     while stack:
       node, alias = stack.pop()
       if isinstance(node, Equation):
@@ -196,6 +199,7 @@ class _Substitution:
       if node.is_ephemeral:
         continue
       for loc, sym in _var_locs(node):
+        all_locs.add(loc)
         keypath = self.keypaths.get(alias.get(sym, sym))
         if keypath is None:
           continue  # not read from the arguments (computed inside fn)
@@ -207,6 +211,11 @@ class _Substitution:
           votes.setdefault(loc[0], collections.Counter())[
               tuple(keypath[:len(keypath) - len(tail)])] += 1
 
+    # Every module path in use: module calls and where variables sit.
+    self.used_paths = {tuple(n.path) for n in iter_nodes(root)
+                       if isinstance(n, Mox) and not n.is_ephemeral}
+    for loc in all_locs:
+      self.used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
     for collection, counts in votes.items():
       self.prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
 
@@ -452,7 +461,12 @@ class _Substitution:
       name = template.name if template.name is not None else getattr(
           node, 'name', None)
       node_path = getattr(node, 'path', ())
-      if template.name is not None and node_path and \
+      if isinstance(node, Equation) and template.num_vars:
+        # A new module with variables in place of an equation: a child of
+        # the enclosing module, one per site (PReLU_0, PReLU_1 ...).
+        new_path = self._site_path(template)
+        name = new_path[-1]
+      elif template.name is not None and node_path and \
           template.name != getattr(node, 'name', None):
         new_path = (*node_path[:-1], template.name)
       else:
@@ -509,6 +523,22 @@ class _Substitution:
     if isinstance(copied, Mox):  # an ephemeral function: splice its body
       return list(copied.children)
     return [copied]
+
+  def _site_path(self, template: Mox) -> tuple:
+    """``(*enclosing module path, f'{Type}_{k}')``: sites counted per call
+    of the enclosing module in evaluation order (two calls of one module
+    give the same paths, so they share the new variables, as Flax's
+    submodules would), never a path the tree already uses."""
+    frame = next((f for f in reversed(self.stack) if not f.is_body),
+                 self.stack[0])
+    base = template.type_name or 'Module'
+    counts = self.site_counts.setdefault(id(frame.node), {})
+    k = counts.get(base, 0)
+    enclosing = tuple(frame.node.path)
+    while (*enclosing, f'{base}_{k}') in self.used_paths:
+      k += 1
+    counts[base] = k + 1
+    return (*enclosing, f'{base}_{k}')
 
   def _wire_variables(self, node, template: Mox, new_path, wiring, new_vars):
     own = {}

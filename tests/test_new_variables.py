@@ -1,0 +1,189 @@
+"""A replacement that brings variables gets them per site, and
+``yax.init_params`` fills them (SPEC: "New variables of a replacement").
+
+ReLU -> PReLU at two sites gives two independent ``alpha``s (PReLU_0,
+PReLU_1 under the enclosing module), compared with a Flax model written by
+hand with PReLU modules at those paths; a module called twice gets one set
+per site, read by both calls. Linen and NNX.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+X = jnp.linspace(-2.0, 2.0, 8).reshape(2, 4)
+
+
+class PReLU(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    alpha = self.param('alpha', nn.initializers.constant(0.25),
+                       (x.shape[-1],))
+    return jnp.where(x >= 0, x, alpha * x)
+
+
+class MLP(nn.Module):
+  act: object = nn.relu
+
+  @nn.compact
+  def __call__(self, x):
+    h = self.act(nn.Dense(8)(x)) if self.act is nn.relu else PReLU(
+        name='PReLU_0')(nn.Dense(8)(x))
+    h = nn.relu(nn.Dense(8)(h)) if self.act is nn.relu else PReLU(
+        name='PReLU_1')(nn.Dense(8)(h))
+    return nn.Dense(3)(h)
+
+
+def prelu_mox(width):
+  module = PReLU()
+  x = jnp.zeros((2, width))
+  return yax.make_mox(module.apply)(module.init(jax.random.key(0), x), x)
+
+
+def test_two_relus_to_prelu_give_two_independent_parameters():
+  model = MLP()
+  variables = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(variables, X)
+  new = yax.sub('//*[@name="relu"]', prelu_mox(8), mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, variables, key=jax.random.key(1))
+  assert set(full['params']) == set(variables['params']) | {'PReLU_0',
+                                                            'PReLU_1'}
+  for name in ('PReLU_0', 'PReLU_1'):
+    np.testing.assert_array_equal(full['params'][name]['alpha'],
+                                  np.full((8,), 0.25, np.float32))
+  # The originals are unchanged objects.
+  assert full['params']['Dense_0']['kernel'] is \
+      variables['params']['Dense_0']['kernel']
+  # Independent: different alphas give what Flax computes with them.
+  trained = jax.tree.map(lambda v: v, full)
+  trained['params']['PReLU_0']['alpha'] = jnp.full((8,), 0.1)
+  trained['params']['PReLU_1']['alpha'] = jnp.full((8,), -0.7)
+  reference = MLP(act=PReLU)
+  np.testing.assert_allclose(yax.eval_mox(new, trained, X),
+                             reference.apply(trained, X), **TOL)
+  np.testing.assert_allclose(yax.eval_mox(new, full, X),
+                             reference.apply(full, X), **TOL)
+  assert not np.allclose(reference.apply(trained, X),
+                         reference.apply(full, X))
+
+
+class Block(nn.Module):
+  act_with_params: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    return PReLU(name='PReLU_0')(h) if self.act_with_params else nn.relu(h)
+
+
+class Twice(nn.Module):
+  act_with_params: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = Block(self.act_with_params, name='block')
+    other = Block(self.act_with_params, name='other')
+    return other(block(block(x)))
+
+
+def test_a_module_called_twice_has_one_set_per_site_read_by_both_calls():
+  model = Twice()
+  variables = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(variables, X)
+  new = yax.sub('//*[@name="relu"]', prelu_mox(4), mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, variables, key=jax.random.key(1))
+  assert set(full['params']['block']) == {'Dense_0', 'PReLU_0'}
+  assert set(full['params']['other']) == {'Dense_0', 'PReLU_0'}
+  full['params']['block']['PReLU_0']['alpha'] = jnp.linspace(-1, 1, 4)
+  full['params']['other']['PReLU_0']['alpha'] = jnp.full((4,), 0.5)
+  np.testing.assert_allclose(yax.eval_mox(new, full, X),
+                             Twice(True).apply(full, X), **TOL)
+
+
+def test_init_params_restores_a_missing_module_and_refuses_what_it_cannot():
+  model = MLP()
+  variables = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(variables, X)
+  partial = {'params': {k: v for k, v in variables['params'].items()
+                        if k != 'Dense_1'}}
+  full = yax.init_params(mox, partial, key=jax.random.key(5))
+  assert full['params']['Dense_1']['kernel'].shape == (8, 8)
+  assert full['params']['Dense_1']['bias'].shape == (8,)
+  np.testing.assert_array_equal(full['params']['Dense_1']['bias'],
+                                np.zeros(8, np.float32))
+  # Two keys, two initialisations; the same key, the same values.
+  again = yax.init_params(mox, partial, key=jax.random.key(5))
+  other = yax.init_params(mox, partial, key=jax.random.key(6))
+  np.testing.assert_array_equal(again['params']['Dense_1']['kernel'],
+                                full['params']['Dense_1']['kernel'])
+  assert not np.allclose(other['params']['Dense_1']['kernel'],
+                         full['params']['Dense_1']['kernel'])
+  with pytest.raises(yax.SubstitutionError, match='expects a Mox'):
+    yax.init_params('//x', variables, key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------- NNX
+
+class NNXPReLU(nnx.Module):
+
+  def __init__(self, features: int, rngs: nnx.Rngs):
+    self.features = features
+    self.alpha = nnx.Param(jnp.full((features,), 0.25))
+
+  def __call__(self, x):
+    return jnp.where(x >= 0, x, self.alpha[...] * x)
+
+
+class NNXMLP(nnx.Module):
+
+  def __init__(self, rngs, with_prelu=False):
+    self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+    self.fc2 = nnx.Linear(8, 8, rngs=rngs)
+    self.fc3 = nnx.Linear(8, 3, rngs=rngs)
+    if with_prelu:
+      self.NNXPReLU_0 = NNXPReLU(8, rngs)
+      self.NNXPReLU_1 = NNXPReLU(8, rngs)
+    self.with_prelu = with_prelu
+
+  def __call__(self, x):
+    if self.with_prelu:
+      h = self.NNXPReLU_0(self.fc1(x))
+      return self.fc3(self.NNXPReLU_1(self.fc2(h)))
+    return self.fc3(nnx.relu(self.fc2(nnx.relu(self.fc1(x)))))
+
+
+def test_nnx_two_relus_to_prelu():
+  model = NNXMLP(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  mox = yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, X)
+  prelu = NNXPReLU(8, nnx.Rngs(0))
+  repl = yax.make_mox(lambda m, h: m(h))(prelu, jnp.zeros((2, 8)))
+  new = yax.sub('//*[@name="relu"]', repl, mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, state, key=jax.random.key(1))
+  assert isinstance(full, nnx.State)
+  assert isinstance(full['NNXPReLU_0']['alpha'], nnx.Param)
+  np.testing.assert_array_equal(full['NNXPReLU_1']['alpha'][...],
+                                np.full((8,), 0.25, np.float32))
+  full['NNXPReLU_0']['alpha'].value = jnp.full((8,), 0.1)
+  full['NNXPReLU_1']['alpha'].value = jnp.full((8,), -0.6)
+  # The model written with PReLU modules at those paths, same weights.
+  reference = NNXMLP(nnx.Rngs(0), with_prelu=True)
+  ref_graph, ref_state = nnx.split(reference)
+  for name in ('fc1', 'fc2', 'fc3'):
+    for p in ('kernel', 'bias'):
+      ref_state[name][p].value = state[name][p][...]
+  for name, a in (('NNXPReLU_0', 0.1), ('NNXPReLU_1', -0.6)):
+    ref_state[name]['alpha'].value = jnp.full((8,), a)
+  want = nnx.merge(ref_graph, ref_state)(X)
+  np.testing.assert_allclose(yax.eval_mox(new, full, X), want, **TOL)

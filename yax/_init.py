@@ -1,0 +1,205 @@
+"""``yax.init_params``: the variables a rewritten tree expects and the given
+params lack, initialised by the modules that declare them.
+
+A replacement with variables (ReLU -> PReLU at two sites) makes the tree
+read ``params['PReLU_0']['alpha']`` and ``params['PReLU_1']['alpha']``.
+``init_params`` finds, for each such variable, the module call that
+declares it, builds that module again from the fields the trace recorded
+(a Linen dataclass; an NNX module whose ``__init__`` arguments are among
+its recorded attributes, with ``rngs``) and runs its initialiser at that
+site's shapes, with ``key`` folded by the variable's path. Variables
+already in ``params`` are returned unchanged, in the same containers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import zlib
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax import tree_util as jtu
+
+from yax import _nnx
+from yax._containers import set_many
+from yax._errors import SubstitutionError
+from yax._ir import Mox, Symbol, iter_nodes
+from yax._sub import NNX_GROUP, collections_of, var_keys, var_kind
+
+
+def _declared(mox: Mox) -> dict:
+  """``(collection, *module path, name)`` -> the module call that holds the
+  variable as its own (the first one in evaluation order)."""
+  out = {}
+  for node in iter_nodes(mox):
+    if isinstance(node, Mox) and not node.is_ephemeral:
+      for keys in var_keys(node):
+        if len(keys) == 2:
+          out.setdefault((keys[0], *node.path, keys[1]), node)
+  return out
+
+
+def _example_args(node: Mox):
+  """Zeros of the call's argument shapes, static arguments as traced."""
+  values = [jnp.zeros(s.aval.shape, s.aval.dtype) if s.aval is not None
+            else s.value for s in node.arg_inputs]
+  return jtu.tree_unflatten(node.in_tree, values)
+
+
+def _linen_variables(node: Mox, key) -> dict:
+  cls = node.module_ty
+  fields = {f.name for f in dataclasses.fields(cls)
+            if f.init and f.name not in ('parent', 'name')}
+  module = cls(**{k: v for k, v in node.params.items() if k in fields})
+  args, kwargs = _example_args(node)
+  method = node.entrypoint or '__call__'
+  return module.init(key, *args, method=getattr(cls, method), **kwargs)
+
+
+def _nnx_variables(node: Mox, key, where: str) -> dict:
+  cls = node.module_ty
+  signature = inspect.signature(cls.__init__)
+  kwargs, missing = {}, []
+  for name, p in list(signature.parameters.items())[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+      continue
+    if name == 'rngs':
+      kwargs['rngs'] = nnx.Rngs(key)
+    elif name in node.params:
+      kwargs[name] = node.params[name]
+    elif p.default is p.empty:
+      missing.append(name)
+  if missing:
+    raise SubstitutionError(
+        f'init_params: {where} is declared by the NNX module {cls.__name__}, '
+        f'whose __init__ needs {missing}, which the trace did not record '
+        f'(it recorded {sorted(k for k in node.params if k != "name")}); '
+        'store them as attributes of the module, or pass the variable in '
+        'params')
+  module = cls(**kwargs)
+  return nnx.state(module)
+
+
+def init_params(mox: Mox, params, *, key):
+  """Returns ``params`` completed with every variable ``mox`` expects and
+  ``params`` lacks.
+
+  **Arguments:**
+  - ``mox``: a tree, typically rewritten by ``yax.sub`` with a replacement
+    that brings variables (``PReLU`` in place of ``relu``).
+  - ``params``: the argument of the traced function that holds the
+    variables (the Linen variables dict, an HF params tree, an
+    ``nnx.State``).
+  - ``key``: a PRNG key; each variable's initialiser gets it folded with
+    the variable's path.
+
+  **Returns:** ``params`` (same container types) with the missing
+  variables, each initialised by the ``init`` of the module that declares
+  it, at that site's shapes. Raises ``yax.SubstitutionError`` naming the
+  path of a missing variable that no module can initialise.
+
+  Example::
+
+      new = yax.sub('//*[@name="relu"]', prelu_mox, mox)
+      full = yax.init_params(new, variables, key=jax.random.key(0))
+      y = yax.eval_mox(new, full, x)
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'init_params expects a Mox, found {type(mox).__name__}')
+  prefixes = collections_of(mox)
+  if not prefixes:
+    raise SubstitutionError(
+        'init_params found no variable collection among the traced '
+        'arguments of this tree')
+  where_arg = {tuple(p[:2]) for p in prefixes.values()}
+  if len(where_arg) != 1:
+    raise SubstitutionError(
+        'init_params needs the variables in one argument of the traced '
+        f'function; this tree reads them from {sorted(where_arg)}')
+  (side, position), = where_arg
+  args, kwargs = jtu.tree_unflatten(mox.in_tree, mox.inputs)
+  expected = (args if side == 0 else kwargs)[position]
+  flat_expected = jtu.tree_flatten_with_path(
+      expected, is_leaf=lambda s: isinstance(s, Symbol))[0]
+  have = {_path_of(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
+  declared = _declared(mox)
+  inside = {col: tuple(map(str, p[2:])) for col, p in prefixes.items()}
+  cache, values = {}, []
+  for keypath, sym in flat_expected:
+    path = _path_of(keypath)
+    if path in have:
+      continue
+    col = next((c for c, pre in inside.items() if path[:len(pre)] == pre),
+               None)
+    loc = (col, *path[len(inside[col]):]) if col is not None else None
+    node = declared.get(loc) if loc is not None else None
+    where = 'params' + ''.join(f'[{k!r}]' for k in path)
+    if node is None:
+      raise SubstitutionError(
+          f'init_params: the tree reads {where} ({sym.type_str}), which '
+          'params lacks, and no module call of the tree declares it')
+    if id(node) not in cache:
+      folded = jax.random.fold_in(key, zlib.crc32('/'.join(loc).encode()))
+      cls = node.module_ty
+      if isinstance(cls, type) and issubclass(cls, nn.Module):
+        cache[id(node)] = _linen_variables(node, folded)
+      elif isinstance(cls, type) and issubclass(cls, nnx.Module):
+        cache[id(node)] = _nnx_variables(node, folded, where)
+      else:
+        raise SubstitutionError(
+            f'init_params: {where} is declared by {node.type_name} at path '
+            f"{'/'.join(node.path) or '<root>'}, which is not a Flax module "
+            'YAX can initialise')
+    value = _lookup(cache[id(node)], loc, node, where, col == NNX_GROUP)
+    if tuple(value.shape) != tuple(sym.aval.shape) or \
+        value.dtype != sym.aval.dtype:
+      raise SubstitutionError(
+          f'init_params: {node.type_name}.init gives {where} as '
+          f'{value.dtype}{list(value.shape)}, but the tree reads '
+          f'{sym.type_str}')
+    if col == NNX_GROUP:
+      index = [k[1:] for k in var_keys(node)].index(tuple(loc[1 + len(
+          node.path):]))
+      value = _nnx.variable_holding(var_kind(node, index)[0], value)
+    values.append((tuple(_native_keys(keypath)), value))
+  return set_many(params, values)
+
+
+def _lookup(variables, loc, node: Mox, where: str, is_nnx: bool):
+  """The array the module's init made for ``loc``."""
+  name = loc[-1]
+  if is_nnx:
+    tree = variables
+  else:
+    tree = variables.get(loc[0], {})
+  value = tree.get(name) if hasattr(tree, 'get') else None
+  if value is None:
+    raise SubstitutionError(
+        f'init_params: {node.type_name}.init does not create {where} '
+        f'(it creates {sorted(map(str, tree))})')
+  if isinstance(value, nnx.Variable):
+    return value[...]
+  return nn.meta.unbox(value)
+
+
+def _path_of(keypath) -> tuple:
+  out = []
+  for k in keypath:
+    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
+      continue
+    out.append(str(getattr(k, 'key', getattr(k, 'idx', getattr(
+        k, 'name', k)))))
+  return tuple(out)
+
+
+def _native_keys(keypath) -> list:
+  out = []
+  for k in keypath:
+    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
+      continue
+    out.append(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+  return out
