@@ -318,3 +318,56 @@ def test_hf_gpt2_every_adapter_gets_a_gradient():
       model(ids, params=blocks.merge(trained)).logits,
       yax.eval_mox(blocks.mox, ids, params=trained).logits, rtol=1e-4,
       atol=1e-4)
+
+
+class NNXBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(6, 6, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+class NNXStack(nnx.Module):
+  """Three blocks created by nnx.vmap and run by nnx.scan (kernels
+  [3, 6, 6])."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NNXBlock(rngs)
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, x):
+      return block(x)
+    return body(self.blocks, x)
+
+
+def test_nnx_kernels_stacked_by_vmap_and_scan():
+  model = NNXStack(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, rank=RANK, alpha=ALPHA)
+  yax.check_mox(res.mox)
+  assert res.paths == [('blocks', 'lin')]
+  lin = res.params['blocks']['lin']
+  assert lin['lora_a'].shape == (3, 6, RANK)
+  assert lin['lora_b'].shape == (3, RANK, 6)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+  trained = perturbed(res)
+  a, b = trained['blocks']['lin']['lora_a'][...], trained['blocks']['lin'][
+      'lora_b'][...]
+  reference = nnx.split(model)[1]
+  kernel = reference['blocks']['lin']['kernel']
+  kernel.value = kernel[...] + ALPHA / RANK * np.einsum('lir,lro->lio', a, b)
+  want = run(reference, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(run(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)
