@@ -72,6 +72,27 @@ def recording() -> bool:
   return bool(active())
 
 
+def _call(fn, args, kwargs):
+  return fn(*args, **kwargs)
+
+
+# ``call_with_stack_room(fn, args, kwargs)`` calls ``fn`` from a frame that
+# reserves 32768 unused stack slots (256 KiB), so the calls ``fn`` makes run in
+# a fresh stack chunk with that much room. Why: CPython (3.11 and later) keeps
+# Python frames in 16 KiB chunks and maps a new chunk whenever a call does not
+# fit in the current one, unmapping it again when that call returns. Tracing a
+# model calls every JAX primitive from deep in the model's stack (module
+# methods, interceptors, JAX's binding machinery); when a chunk boundary falls
+# inside that depth, every primitive bind maps and unmaps a chunk (an mmap,
+# munmap and page faults each time: BERT-base traced tens of thousands of
+# them per trace, up to half of the tracing time, depending only on where the
+# boundary happened to fall). The reserved slots are never written, so their
+# pages are never touched; only the chunk is mapped, once per trace.
+call_with_stack_room = type(_call)(
+    _call.__code__.replace(co_stacksize=_call.__code__.co_stacksize + 32768),
+    _call.__globals__, 'call_with_stack_room')
+
+
 def is_module_method(name: str) -> bool:
   """Whether a call of method ``name`` is a module call: ``__call__`` and
   ordinary methods are; ``setup`` and Python protocol methods

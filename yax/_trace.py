@@ -170,7 +170,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
       a, k = tree_unflatten(in_tree, full)
       with nn.intercept_methods(functools.partial(_interceptor, this)), \
           nnx_scope:
-        out = nnx_scope.call(fn, a, k)
+        out = _calls.call_with_stack_room(nnx_scope.call, (fn, a, k), {})
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
       out_info.update(tree=out_tree, leaves=out_leaves, dyn=out_dyn)
