@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ('running and viewing a tree',
      ('_eval', '_check', '_printing', '_serialize', '_query')),
     ('rewriting', ('_sub', '_pattern', '_contraction')),
-    ('LoRA and new variables', ('_lora', '_init')),
+    ('LoRA, new variables, precision', ('_lora', '_init', '_cast')),
     ('summary', ('_summary', '_flops')),
     ('viewers', ('_html', '_explorer')),
     ('command line', ('_cli', '_bundled', '_bundled_nnx')),

@@ -5,6 +5,7 @@
 >>> yax.query('//module_call[@type="Dense"]', mox)      # doctest: +SKIP
 """
 
+from yax._cast import cast as cast
 from yax._check import InvariantError as InvariantError
 from yax._check import check_mox as check_mox
 from yax._errors import EvaluationError as EvaluationError

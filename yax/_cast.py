@@ -1,0 +1,191 @@
+"""``yax.cast``: selected module calls compute in another dtype.
+
+Flax computes in the dtype that promotion gives a module's inputs and
+parameters, and a lower compute dtype exists only where a model's author
+plumbed ``dtype=`` through. ``cast`` chooses it per module call, on a model
+someone else wrote: each selected Linen module call is rebuilt from the
+fields the trace recorded, with its ``dtype`` field (where it has one) set
+to the compute dtype, and traced again on its floating inputs and variables
+cast to that dtype at the call's boundary. The body therefore rounds as the
+same module built with ``dtype=compute`` would, and what the module's code
+casts explicitly (an upcast before a softmax or a norm) keeps its dtype.
+The call's outputs are cast back to their traced dtypes (what the rest of
+the tree reads); stored params do not change, and the call keeps its type,
+path and variables, so selections written for the float tree still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import tree_util as jtu
+
+from yax._errors import SubstitutionError
+from yax._ir import Equation, Literal, Mox
+from yax._sub import describe, select, substitute
+from yax._trace import make_mox
+
+
+def _float_dtype(value, what: str):
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise SubstitutionError(
+        f'cast: {what} must be a floating dtype (bfloat16, float16, '
+        f'float32 ...), found {value!r}')
+  return dtype
+
+
+class _Refused(Exception):
+  """Why one selected call cannot be cast (collected, then raised once)."""
+
+
+def _is_float(x) -> bool:
+  dtype = getattr(x, 'dtype', None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _rebuilt(node: Mox, dtype):
+  cls = node.module_ty
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    raise _Refused(
+        f'it is a {getattr(cls, "__module__", "")}.{node.type_name} call, not '
+        'a Flax Linen module (cast rebuilds Linen modules from their recorded '
+        'fields; NNX module calls are not supported yet)')
+  fields = {f.name for f in dataclasses.fields(cls)
+            if f.init and f.name not in ('parent', 'name')}
+  kwargs = {k: v for k, v in node.params.items() if k in fields}
+  if 'dtype' in fields:
+    kwargs['dtype'] = dtype
+  try:
+    return cls(**kwargs), 'dtype' in fields
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    raise _Refused(f'rebuilding {cls.__name__} from its recorded fields '
+                   f'raised {type(e).__name__}: {e}') from None
+
+
+def _prefixed(expr, prefix: tuple):
+  """``expr`` with every module call's path under ``prefix``."""
+  children = [_prefixed(c, prefix) for c in expr.children]
+  if isinstance(expr, Mox) and not expr.is_ephemeral:
+    return expr.replace(path=(*prefix, *expr.path), children=children)
+  return expr.replace(children=children)
+
+
+def _recast(node: Mox, dtype, output) -> Mox:
+  """A replacement for ``node``: the module traced again at ``dtype``."""
+  module, has_dtype = _rebuilt(node, dtype)
+  method = getattr(type(module), node.entrypoint or '__call__', None)
+  if not callable(method):
+    raise _Refused(f'its class has no method {node.entrypoint!r}')
+  spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+  variables = (jtu.tree_unflatten(node.var_tree,
+                                  [spec(s) for s in node.var_inputs])
+               if node.num_vars else {})
+  leaves = [s.value if isinstance(s, Literal) else spec(s)
+            for s in node.arg_inputs]
+  args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
+  traced_out = [s.aval.dtype if s.aval is not None else None
+                for s in node.outputs]
+
+  def low(x):
+    return x.astype(dtype) if _is_float(x) else x
+
+  def run(variables, args, kwargs):
+    out = module.apply(jtu.tree_map(low, variables), *jtu.tree_map(low, args),
+                       method=method, **jtu.tree_map(low, kwargs))
+    out_leaves, tree = jtu.tree_flatten(out)
+    back = [x.astype(traced) if _is_float(x) and traced else x
+            for x, traced in zip(out_leaves, traced_out, strict=True)]
+    return jtu.tree_unflatten(tree, back)
+
+  try:
+    root = make_mox(run)(variables, args, kwargs)
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    raise _Refused(f'tracing it again at {dtype.name} raised '
+                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
+        from None
+  if len(root.inputs) != len(node.inputs) or \
+      len(root.outputs) != len(node.outputs):
+    raise _Refused(
+        f'traced again at {dtype.name} it takes {len(root.inputs)} inputs and '
+        f'returns {len(root.outputs)} values, where the traced call had '
+        f'{len(node.inputs)} and {len(node.outputs)}')
+  children = []
+  for child in root.children:  # the apply's own module call is dissolved
+    if isinstance(child, Mox) and not child.is_ephemeral and not child.path:
+      children.extend(_prefixed(c, node.path) for c in child.children)
+    else:
+      children.append(_prefixed(child, node.path))
+  params = dict(node.params)
+  if has_dtype:
+    params['dtype'] = dtype
+  params['compute_dtype'] = dtype.name
+  call = Mox(root.inputs, root.outputs, params, children=children,
+             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             in_tree=root.in_tree, out_tree=root.out_tree,
+             constvars=root.constvars, consts=root.consts)
+
+
+def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
+  """Returns a tree where each selected module call computes in ``compute``.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged).
+  - ``selection``: XPath (or node list) of Linen module calls, e.g.
+    ``'//module_call[@type="Dense"]'``.
+  - ``compute``: the floating dtype the selected calls compute in.
+  - ``output``: the dtype of their floating outputs; they are cast back to
+    the traced dtypes, which the rest of the tree reads, so ``output`` may
+    only name that dtype (anything else raises ``SubstitutionError``).
+
+  **Returns:** the new tree. Its params are the original ones (stored in
+  their own dtype). Each cast call keeps its type, path and variables; its
+  ``dtype`` field (where the class has one) and ``compute_dtype`` say what
+  it computes in. Raises ``yax.SubstitutionError`` (changing nothing)
+  listing every selected call it cannot cast.
+
+  Example::
+
+      low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+      y = yax.eval_mox(low, variables, x)   # LayerNorm, softmax stay float32
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(f'cast expects a Mox, found {type(mox).__name__}')
+  dtype = _float_dtype(compute, 'compute')
+  chosen = select(selection, mox)
+  if output is not None:
+    output = _float_dtype(output, 'output')
+    traced = {s.aval.dtype for n in chosen.targets if isinstance(n, Mox)
+              for s in n.outputs if s.aval is not None and _is_float(s.aval)}
+    if traced - {output}:
+      raise SubstitutionError(
+          f'cast: output={output.name} differs from the dtype the rest of '
+          f'the tree was traced to read from these calls '
+          f"({', '.join(sorted(d.name for d in traced))}); the calls' "
+          'outputs are cast back to it. Trace the model again with that '
+          'dtype to change what follows them')
+  templates, problems = {}, []
+  for node in chosen.targets:
+    if isinstance(node, Equation) or node.is_ephemeral:
+      raise SubstitutionError(
+          f'cast selects module calls, but {chosen.description} matched '
+          f'{describe(node)}')
+    try:
+      templates[id(node)] = _recast(node, dtype, output)
+    except _Refused as why:
+      problems.append(f'  - {describe(node)}: {why}')
+  if problems:
+    raise SubstitutionError(
+        f'cast cannot make {len(problems)} of the {len(chosen.targets)} '
+        f'module calls selected by {chosen.description} compute in '
+        f'{dtype.name}:\n' + '\n'.join(problems))
+  return substitute(chosen, lambda path, node: templates[id(node)], mox).mox
