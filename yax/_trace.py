@@ -219,8 +219,14 @@ def build_root(builder, closed, leaves, in_tree, dyn, out_info) -> Mox:
 
 # -------------------------------------------------------- tree builder
 
+def _is_symbol(x) -> bool:
+  return isinstance(x, Symbol)
+
+
 def _symbols(tree) -> list:
-  return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Symbol))
+  if isinstance(tree, Symbol):  # most variables: one symbol, no tree walk
+    return [tree]
+  return jax.tree_util.tree_leaves(tree, is_leaf=_is_symbol)
 
 
 def contains_markers(jaxpr) -> bool:
@@ -366,12 +372,13 @@ class _Builder:
       reach[(col, *rec.path)] = values
     n = len(rec.path)
     tree: dict = {}
+    order, start = self.order.get, frame.start
     for (col, *path), values in sorted(reach.items(), key=lambda kv: len(kv[0])):
       if tuple(path[:n]) != rec.path:
         continue
       kept = {k: v for k, v in values.items()
-              if all(self.order.get(s, -1) < frame.start
-                     for s in _symbols(v))}
+              if (order(v, -1) < start if isinstance(v, Symbol) else
+                  all(order(s, -1) < start for s in _symbols(v)))}
       if not kept:
         continue
       node = tree.setdefault(col, {})
