@@ -151,8 +151,9 @@ def test_nnx_adapters_are_lora_params_with_the_kernels_axis_names():
     assert isinstance(a, nnx.LoRAParam) and isinstance(b, nnx.LoRAParam)
     assert tuple(a.get_metadata()[key]) == ('embed', None)
     assert tuple(b.get_metadata()[key]) == (None, 'mlp')
-    assert a.get_metadata().get('eager_sharding') == \
-        kernel.get_metadata().get('eager_sharding')
+    if 'eager_sharding' in kernel.get_metadata():  # Flax >= 0.12.1
+      assert a.get_metadata()['eager_sharding'] == \
+          kernel.get_metadata()['eager_sharding']
     assert tuple(res.params['down']['lora_b'].get_metadata()[key]) == (
         None, 'embed')
     np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),

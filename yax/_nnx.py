@@ -431,11 +431,11 @@ def variable_like(kind: str, value, like, **changes):
   eager = meta.pop('eager_sharding', None)
   cls = variable_type(kind)
   try:
-    if eager is None:
-      proto = cls(np.zeros((), np.float32), **meta)
-    else:
-      proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
-      proto.set_metadata('eager_sharding', eager)
+    # Built unsharded (a scalar stands in for the value), then given the
+    # kernel's eager_sharding flag (Flax >= 0.12.1 has one).
+    proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
+    if eager is not None:
+      proto.set_metadata(eager_sharding=eager)
   except Exception:  # noqa: BLE001 - metadata this type does not take
     proto = cls(np.zeros((), np.float32))
   return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
