@@ -33,6 +33,8 @@ from yax._pattern import explain_match as explain_match
 from yax._pattern import group as group
 from yax._pattern import match as match
 from yax._pattern import trace_like as trace_like
+from yax._quantize import QuantizeResult as QuantizeResult
+from yax._quantize import quantize as quantize
 from yax._query import query as query
 from yax._serialize import dump_xml as dump_xml
 from yax._serialize import dump_yson as dump_yson

@@ -85,6 +85,9 @@ class Contraction:
   z_aval: Any  # the contraction's output
   y_index: int  # the module output (position among node.outputs) it reaches
   y_steps: tuple  # Steps from the contraction's output to that output
+  # The kernel is multiplied by another value on its way (a quantization
+  # scale, weight normalisation): the contraction reads a computed kernel.
+  scaled: bool = False
 
   @property
   def dimension_numbers(self):
@@ -188,7 +191,7 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
   flat.node_children(node.children)
   kernel = flat.canon(node.inputs[kernel_index])
   derived = {kernel: tuple(range(node.inputs[kernel_index].aval.ndim))}
-  uses = []
+  uses, scaled = [], False
   for eqn in flat.eqns:
     hit = [i for i, s in enumerate(eqn.inputs)
            if not _is_literal(s) and s in derived]
@@ -202,6 +205,12 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
       if name == 'transpose':
         perm = tuple(perm[p] for p in eqn.params['permutation'])
       derived[flat.canon(eqn.outputs[0])] = perm
+    elif name == 'mul' and len(hit) == 1 and len(eqn.inputs) == 2 and \
+        tuple(eqn.outputs[0].aval.shape) == tuple(
+            _aval(eqn.inputs[hit[0]]).shape):
+      # kernel * scale (a dequantization): same axes, a computed kernel
+      derived[flat.canon(eqn.outputs[0])] = derived[eqn.inputs[hit[0]]]
+      scaled = True
     else:
       return f'its kernel is read by {name}, not only by a contraction'
   outputs = [flat.canon(s) for s in node.outputs if not isinstance(s, Literal)]
@@ -290,7 +299,8 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
       params=tuple(sorted(params.items())), kernel_side=side,
       perm=derived[eqn.inputs[side]], x_index=x_index,
       x_steps=tuple(reversed(x_steps)), operand_aval=_aval(operand),
-      z_aval=_aval(eqn.outputs[0]), y_index=y_index, y_steps=tuple(y_steps))
+      z_aval=_aval(eqn.outputs[0]), y_index=y_index, y_steps=tuple(y_steps),
+      scaled=scaled)
 
 
 def _aval(sym):

@@ -58,6 +58,7 @@ from jax import tree_util as jtu
 from yax import _contraction, _rules
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
+from yax._formats import FORMATS, dequantize_array
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax import _nnx
 from yax._sub import (NNX_GROUP, Selection, collections_of, non_literals,
@@ -116,10 +117,22 @@ class _Plan:
   # for a call-site adapter, why merging it into the kernel is refused.
   place: tuple | None = None
   tied: str | None = None
+  # The storage format of a kernel quantized by yax.quantize (merge then
+  # returns float params for the tree quantize started from).
+  quant: str | None = None
 
   @property
   def kernel_name(self) -> str:
     return self.kernel_keys[-1]
+
+
+def adapter_dtype(kernel: Symbol, c: _contraction.Contraction):
+  """The kernel's dtype, or for a quantized kernel (int8, fp8 ...) the
+  dtype its contraction computes in."""
+  dtype = kernel.aval.dtype
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 2:
+    return dtype
+  return c.z_aval.dtype
 
 
 def _own_params(node: Mox) -> list[int]:
@@ -141,7 +154,7 @@ def _path_str(node: Mox) -> str:
   return '/'.join(node.path)
 
 
-def _plan(node: Mox, rank: int) -> _Plan | str:
+def kernel_plan(node: Mox, rank: int) -> _Plan | str:
   """How ``node`` is adapted, or why it cannot be."""
   keys = var_keys(node)
   candidates = [i for i in _own_params(node)
@@ -179,8 +192,14 @@ def _plan(node: Mox, rank: int) -> _Plan | str:
     a_axes = (*(v for v in range(len(shape)) if v != out), None)
     b_axes = (None, out)
   size = lambda axes: tuple(rank if v is None else shape[v] for v in axes)
+  quant = node.params.get('quant')
+  quant = quant if quant in FORMATS else None
+  if c.scaled and quant is None:
+    return (f"its kernel {'/'.join(keys[index])} is multiplied by another "
+            'value before its contraction (a computed kernel that merge '
+            'could not update)')
   return _Plan(c, keys[index], shape, size(a_axes), size(b_axes), a_axes,
-               b_axes)
+               b_axes, quant=quant)
 
 
 def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
@@ -273,7 +292,7 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
   c = plan.contraction
   kernel = node.var_inputs[c.kernel_index]
   x, y = node.inputs[c.x_index], node.outputs[c.y_index]
-  dtype = kernel.aval.dtype
+  dtype = adapter_dtype(kernel, c)
   adapter = _adapter_mox(plan, x.aval, y.aval, dtype, alpha / rank)
   if adapter.constvars:
     raise SubstitutionError(
@@ -572,7 +591,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       problems.append((node, 'it already carries an adapter (its params hold '
                        f'{held})', False))
       continue
-    plan = _plan(node, rank)
+    plan = kernel_plan(node, rank)
     if isinstance(plan, str):
       problems.append((node, plan, False))
       continue
@@ -684,14 +703,14 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     # None for a call-site adapter of a head whose kernel is not here.
     kernel = _get_or_none(params, (*inside, *loc[1:-1], plan.kernel_name))
     is_a = loc[-1] == plan.names[0]
-    value = _adapter_value(_unboxed(kernel), plan, is_a, shape, dtype, rng)
+    value = _adapter_value(unboxed(kernel), plan, is_a, shape, dtype, rng)
     box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP)
     value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))
   new_params = set_many(params, values)
   mask = set_many(jtu.tree_map(lambda _: False, params), flags)
-  new_mox = _with_argument_structure(done.mox, prefix[:2], new_params)
+  new_mox = with_argument_structure(done.mox, prefix[:2], new_params)
   scale = alpha / rank
   merges = sorted({(path, plan.names): plan
                    for (path, _), plan in adapted.items()}.items())
@@ -718,7 +737,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       keys = (*inside, *module_path)
       module = get_in(out, keys)
       boxed = get_in(out, (*keys, plan.kernel_name))
-      kernel, a, b = (_unboxed(x) for x in (
+      kernel, a, b = (unboxed(x) for x in (
           boxed, get_in(out, (*keys, names[0])), get_in(out, (*keys, names[1]))))
       where = f"params{''.join(f'[{k!r}]' for k in keys)}"
       if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
@@ -727,14 +746,20 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
             f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
             f'and {names[1]} {tuple(b.shape)}; lora made them '
             f'{plan.a_shape} and {plan.b_shape}')
+      drop = names
+      if plan.quant is not None:  # QLoRA: back to the float kernel
+        scale_name = f'{plan.kernel_name}_scale'
+        kernel = dequantize_array(kernel, unboxed(get_in(
+            out, (*keys, scale_name))), plan.quant, a.dtype)
+        drop = (*names, scale_name)
       delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
         raise SubstitutionError(
             f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
             f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
             f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
-      merged = _boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
-      out = set_in(out, keys, set_in(without(module, names),
+      merged = boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
+      out = set_in(out, keys, set_in(without(module, drop),
                                      (plan.kernel_name,), merged))
     return out
 
@@ -748,7 +773,7 @@ def _get_or_none(tree, keys):
     return None
 
 
-def _with_argument_structure(root: Mox, where: tuple, value) -> Mox:
+def with_argument_structure(root: Mox, where: tuple, value) -> Mox:
   """``root`` expecting, at argument ``where`` (``(0, position)`` or
   ``(1, name)``), the structure of ``value``: the adapters in the boxes
   (``nn.Partitioned``, NNX Variables with metadata) ``lora`` returns them
@@ -836,16 +861,16 @@ def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
   return lambda v: v
 
 
-def _unboxed(x):
+def unboxed(x):
   """The array in a params leaf (an NNX Variable holds one)."""
   leaves = jtu.tree_leaves(x)
   return leaves[0] if len(leaves) == 1 and leaves[0] is not x else x
 
 
-def _boxed_like(like, value):
+def boxed_like(like, value):
   """``value`` in the container ``like`` came in (an NNX Variable keeps its
   type and metadata, sharding included)."""
-  if _unboxed(like) is like:
+  if unboxed(like) is like:
     return value
   return jtu.tree_unflatten(jtu.tree_structure(like), [value])
 

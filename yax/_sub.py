@@ -157,8 +157,13 @@ class _Frame:
 
 class _Substitution:
 
-  def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement):
+  def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement,
+               *, retype: bool = False):
     self.root = root
+    # A replacement that keeps the node's path may store one of the node's
+    # own variables in another type (yax.quantize: an int8 kernel); every
+    # reader of the old variable is then renamed to the new one.
+    self.retype = retype
     self.targets = {id(t): t for t in targets}
     self.visits = {id(t): 0 for t in targets}  # exactly once, checked after
     self.replaced: list[tuple[Expr, tuple]] = []  # (target, what replaced it)
@@ -444,6 +449,7 @@ class _Substitution:
     else:
       node_args = non_literals(self.rename(s) for s in node.inputs)
     wiring: dict[Symbol, Symbol] = {}
+    retyped: list[tuple[Symbol, Var]] = []
     extra_args: list[Var] = []
     new_vars: list[tuple[Loc, Var]] = []
     # Constants are defined in the innermost body (or the root) around the
@@ -471,7 +477,8 @@ class _Substitution:
         new_path = (*node_path[:-1], template.name)
       else:
         new_path = node_path
-      self._wire_variables(node, template, new_path, wiring, new_vars)
+      self._wire_variables(node, template, new_path, wiring, new_vars,
+                           retyped)
     else:
       t_args = template.inputs
     for pos, sym in enumerate(non_literals(t_args)):
@@ -507,6 +514,8 @@ class _Substitution:
     # Only now, when nothing can fail any more, record what the copy needs.
     for old, new in zip(old_outs, new_outs):
       self.ren[old] = new
+    for old, new in retyped:
+      self.ren[old] = new
     home.new_consts.extend(new_consts)
     if not any(f.is_body for f in self.stack):
       for loc, var in new_vars:
@@ -540,7 +549,9 @@ class _Substitution:
     counts[base] = k + 1
     return (*enclosing, f'{base}_{k}')
 
-  def _wire_variables(self, node, template: Mox, new_path, wiring, new_vars):
+  def _wire_variables(self, node, template: Mox, new_path, wiring, new_vars,
+                      retyped=None):
+    retyped = [] if retyped is None else retyped
     own = {}
     if isinstance(node, Mox) and tuple(new_path) == node.path:
       for keys, sym in zip(var_keys(node), node.var_inputs):
@@ -555,6 +566,12 @@ class _Substitution:
         existing = self.locs.get(loc) or self.added.get(loc) or dict(
             new_vars).get(loc)
       if existing is not None:
+        if not _same_type(existing, sym) and self.retype and \
+            keys in own and existing is own[keys]:
+          fresh = Var(sym.aval)
+          wiring[sym] = fresh
+          retyped.append((existing, fresh))
+          continue
         if not _same_type(existing, sym):
           raise SubstitutionError(
               f"cannot substitute {_where(node, self.enclosing_path())}: variable "
@@ -578,7 +595,7 @@ class _Substitution:
 
   def finish_root(self, children, frame: _Frame) -> Mox:
     root = self.root
-    inputs = list(root.inputs)
+    inputs = [self.rename(s) for s in root.inputs]  # retyped variables
     in_tree = root.in_tree
     if frame.new_vars or frame.new_args:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
@@ -841,8 +858,11 @@ def collections_of(mox: Mox) -> dict:
   return dict(_Substitution(mox, (), None).prefix)
 
 
-def substitute(selection, repl: Replacement, mox: Mox) -> Rewrite:
-  """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did."""
+def substitute(selection, repl: Replacement, mox: Mox, *,
+               retype: bool = False) -> Rewrite:
+  """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did.
+  ``retype``: a replacement keeping a node's path may store the node's own
+  variables in other types (the tree then reads the new types there)."""
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
                             f'{type(mox).__name__}')
@@ -853,7 +873,7 @@ def substitute(selection, repl: Replacement, mox: Mox) -> Rewrite:
         f'the selection {selection.description} was made on another tree')
   chosen = selection if isinstance(selection, Selection) else select(
       selection, mox)
-  run = _Substitution(mox, chosen.targets, repl)
+  run = _Substitution(mox, chosen.targets, repl, retype=retype)
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),

@@ -1,0 +1,266 @@
+"""``yax.quantize``: weight-only int8/int4/fp8/nf4 with per-channel absmax
+scales, checked against a reference quantizer written here (NumPy absmax
+per output channel, the 16 NF4 levels, ``float8_e4m3fn``): the quantized
+tree computes exactly what the Flax model computes on the reference's
+dequantized kernels."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import yax
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367,
+                -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0,
+                0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], np.float32)
+
+
+def reference(w, fmt, contracted):
+  """The dequantized kernel of a per-output-channel absmax quantizer."""
+  w = np.asarray(w, np.float32)
+  absmax = np.abs(w).max(axis=contracted, keepdims=True)
+  if fmt == 'nf4':
+    scale = np.where(absmax > 0, absmax, 1.0)
+    codes = np.abs((w / scale)[..., None] - NF4).argmin(-1)
+    return NF4[codes] * scale
+  top = {'int8': 127.0, 'int4': 7.0, 'fp8': 448.0}[fmt]
+  scale = np.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
+  if fmt == 'fp8':
+    q = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  else:
+    q = np.clip(np.round(w / scale), -top, top)
+  return q * scale
+
+
+class Einsum(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('w', nn.initializers.normal(1.0), (2, 8, 4))
+    return jnp.einsum('BTD,NDH->BTNH', x, w)
+
+
+class Model(nn.Module):
+  @nn.compact
+  def __call__(self, x, img):
+    h = nn.relu(nn.Dense(8, name='dense')(x))
+    e = Einsum(name='einsum')(h).reshape(*h.shape[:2], 8)
+    c = nn.Conv(3, (3, 3), name='conv')(img)
+    return e, c
+
+
+# (path, kernel name, contracted axes)
+KERNELS = [('dense', 'kernel', (0,)), ('einsum', 'w', (1,)),
+           ('conv', 'kernel', (0, 1, 2))]
+
+
+@pytest.mark.parametrize('fmt', ['int8', 'int4', 'fp8', 'nf4'])
+def test_linen_formats_match_the_reference_quantizer(fmt):
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  img = jax.random.normal(jax.random.key(1), (1, 6, 6, 2))
+  variables = model.init(jax.random.key(2), x, img)
+  mox = yax.make_mox(model.apply)(variables, x, img)
+  q = yax.quantize(mox, variables, '//module_call[@type="Dense" or '
+                   '@type="Einsum" or @type="Conv"]', weight=fmt)
+  yax.check_mox(q.mox)
+  assert q.paths == [('conv',), ('dense',), ('einsum',)]
+  storage = {'int8': 'int8', 'int4': 'int4', 'fp8': 'float8_e4m3fn',
+             'nf4': 'uint4'}[fmt]
+  ref = jax.tree.map(lambda a: a, variables)
+  for path, name, contracted in KERNELS:
+    stored = q.params['params'][path]
+    assert str(stored[name].dtype) == storage
+    assert stored[f'{name}_scale'].dtype == jnp.float32
+    ref['params'][path][name] = reference(variables['params'][path][name],
+                                          fmt, contracted)
+    # The node keeps its type and path and says its format.
+  node = yax.query('//module_call[@path="dense"]', q.mox)[0]
+  assert node.type_name == 'Dense' and node.params['quant'] == fmt
+  got = yax.eval_mox(q.mox, q.params, x, img)
+  want = model.apply(ref, x, img)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, **TOL)
+  # dequantize gives float params for the original tree.
+  back = q.dequantize(q.params)
+  assert jax.tree.structure(back) == jax.tree.structure(variables)
+  for g, w in zip(model.apply(back, x, img), want, strict=True):
+    np.testing.assert_allclose(g, w, **TOL)
+  before, after = q.nbytes
+  bits = 4 if fmt in ('int4', 'nf4') else 8
+  kernels = sum(variables['params'][p][n].size for p, n, _ in KERNELS)
+  scales = sum(q.params['params'][p][f'{n}_scale'].size for p, n, _ in KERNELS)
+  assert before - after == kernels * 4 - kernels * bits // 8 - scales * 4
+
+
+def test_nnx_int8_on_the_split_form():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 8, rngs=rngs)
+      self.einsum = nnx.Einsum('btd,dnh->btnh', (8, 2, 3), (2, 3), rngs=rngs)
+
+    def __call__(self, x):
+      return self.einsum(jnp.tanh(self.lin(x)))
+
+  model = Net(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  q = yax.quantize(mox, state, '//module_call[@type="Linear" or '
+                   '@type="Einsum"]', weight='int8')
+  yax.check_mox(q.mox)
+  assert isinstance(q.params, nnx.State)
+  assert q.params['lin']['kernel'][...].dtype == jnp.int8
+  ref = nnx.split(model)[1]
+  ref['lin']['kernel'].value = reference(state['lin']['kernel'][...], 'int8',
+                                         (0,))
+  ref['einsum']['kernel'].value = reference(state['einsum']['kernel'][...],
+                                            'int8', (0,))
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x), run(ref, x),
+                             **TOL)
+  np.testing.assert_allclose(run(q.dequantize(q.params), x), run(ref, x),
+                             **TOL)
+
+
+def test_hf_gpt2_and_bert_int8():
+  from transformers import (BertConfig, FlaxBertModel, FlaxGPT2LMHeadModel,
+                            GPT2Config)
+  gpt2 = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16,
+                                        n_embd=16, n_layer=2, n_head=2),
+                             seed=0)
+  ids = jnp.array([[1, 5, 7, 3, 9]])
+  mox = yax.make_mox(gpt2)(ids, params=gpt2.params)
+  q = yax.quantize(mox, gpt2.params, '//module_call[@type="FlaxConv1D"]')
+  assert len(q.paths) == 8
+  ref = jax.tree.map(lambda a: a, gpt2.params)
+  for path in q.paths:
+    node = ref
+    for k in path:
+      node = node[k]
+    node['kernel'] = reference(node['kernel'], 'int8', (1,))  # [out, in]
+  np.testing.assert_allclose(
+      yax.eval_mox(q.mox, ids, params=q.params).logits,
+      gpt2(ids, params=ref).logits, rtol=1e-4, atol=1e-4)
+  bert = FlaxBertModel(BertConfig(vocab_size=99, hidden_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37), seed=0)
+  ids = jnp.array([[5, 17, 42, 3, 8, 21, 60, 2]])
+  fn = lambda p, ids: bert(ids, params=p).last_hidden_state
+  mox = yax.make_mox(fn)(bert.params, ids)
+  q = yax.quantize(mox, bert.params, '//module_call[@type="Dense"]')
+  want = fn(bert.params, ids)
+  got = yax.eval_mox(q.mox, q.params, ids)
+  rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+  assert 0 < rel < 1e-2
+  before, after = q.nbytes
+  assert after < before
+
+
+def test_qat_trains_through_the_fake_quantized_kernel():
+  class Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(jnp.tanh(nn.Dense(16)(x)))
+
+  model = Tiny()
+  x = jax.random.normal(jax.random.key(0), (64, 4))
+  y = jnp.sin(x.sum(-1, keepdims=True))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  q = yax.quantize(mox, variables, '//module_call[@type="Dense"]',
+                   weight='int4', mode='qat')
+  assert q.params is variables  # float params, unchanged
+  loss = lambda p: jnp.mean((yax.eval_mox(q.mox, p, x) - y) ** 2)
+  # The forward pass sees the int4 kernels.
+  ref = jax.tree.map(lambda a: a, variables)
+  for name in ('Dense_0', 'Dense_1'):
+    ref['params'][name]['kernel'] = reference(
+        variables['params'][name]['kernel'], 'int4', (0,))
+  np.testing.assert_allclose(yax.eval_mox(q.mox, variables, x),
+                             model.apply(ref, x), **TOL)
+  step = jax.jit(lambda p: jax.tree.map(lambda a, g: a - 0.1 * g, p,
+                                        jax.grad(loss)(p)))
+  params, first = variables, float(loss(variables))
+  for _ in range(30):
+    params = step(params)
+  assert float(loss(params)) < 0.7 * first
+
+
+def test_quantize_refusals():
+  class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      emb = nn.Embed(10, 4, name='embed')
+      return emb.attend(emb(ids))
+
+  model = Shared()
+  ids = jnp.array([[1, 2, 3]])
+  variables = model.init(jax.random.key(0), ids)
+  mox = yax.make_mox(model.apply)(variables, ids)
+  with pytest.raises(yax.SubstitutionError, match='also read by'):
+    yax.quantize(mox, variables, '//module_call[@method="attend"]')
+  dense = nn.Dense(3)
+  x = jnp.ones((2, 4))
+  v = dense.init(jax.random.key(0), x)
+  dmox = yax.make_mox(dense.apply)(v, x)
+  with pytest.raises(yax.SubstitutionError, match='weight must be one of'):
+    yax.quantize(dmox, v, '//module_call', weight='int3')
+  with pytest.raises(yax.SubstitutionError, match='not built yet'):
+    yax.quantize(dmox, v, '//module_call', act='int8')
+
+
+def test_qlora_on_bert_starts_near_float_and_merges_to_float_params():
+  from transformers import BertConfig, FlaxBertModel
+  bert = FlaxBertModel(BertConfig(vocab_size=99, hidden_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37), seed=0)
+  ids = jnp.array([[5, 17, 42, 3, 8, 21, 60, 2]])
+  fn = lambda p, ids: bert(ids, params=p).last_hidden_state
+  mox = yax.make_mox(fn)(bert.params, ids)
+  q = yax.quantize(mox, bert.params, '//module_call[@type="Dense"]')
+  res = yax.lora(q.mox, q.params, '//module_call[@type="Dense"]', rank=4,
+                 alpha=8.0)
+  yax.check_mox(res.mox)
+  layer = res.params['encoder']['layer']['0']['attention']['self']['query']
+  assert layer['kernel'].dtype == jnp.int8
+  assert layer['lora_a'].dtype == jnp.float32
+  want = fn(bert.params, ids)
+  start = yax.eval_mox(res.mox, res.params, ids)
+  np.testing.assert_allclose(start, yax.eval_mox(q.mox, q.params, ids),
+                             rtol=1e-6, atol=1e-6)
+  assert float(jnp.linalg.norm(start - want) / jnp.linalg.norm(want)) < 1e-2
+  # Train the float adapters only (the int8 base is frozen).
+  flat, tree = jax.tree.flatten(res.params)
+  flags = jax.tree.leaves(res.mask)
+  adapters = [x for x, m in zip(flat, flags, strict=True) if m]
+
+  def loss(adapters):
+    it = iter(adapters)
+    params = tree.unflatten([next(it) if m else x
+                             for x, m in zip(flat, flags, strict=True)])
+    return jnp.sum(jnp.sin(yax.eval_mox(res.mox, params, ids)))
+
+  trained_adapters = [a + 0.02 for a in adapters]  # B != 0: A learns too
+  grads = jax.jit(jax.grad(loss))(trained_adapters)
+  # Every adapter but the pooler's (last_hidden_state does not use it).
+  assert sum(float(jnp.abs(g).sum()) > 0 for g in grads) == len(grads) - 2
+  it = iter(trained_adapters)
+  trained = tree.unflatten([next(it) if m else x
+                            for x, m in zip(flat, flags, strict=True)])
+  merged = res.merge(trained)
+  # Float params for the tree quantize started from: no scales, no int8.
+  assert jax.tree.structure(merged) == jax.tree.structure(bert.params)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(merged))
+  np.testing.assert_allclose(fn(merged, ids),
+                             yax.eval_mox(res.mox, trained, ids), rtol=1e-4,
+                             atol=1e-4)
