@@ -216,7 +216,9 @@ def test_quantize_refusals():
   with pytest.raises(yax.SubstitutionError, match='weight must be one of'):
     yax.quantize(dmox, v, '//module_call', weight='int3')
   with pytest.raises(yax.SubstitutionError, match='not built yet'):
-    yax.quantize(dmox, v, '//module_call', act='int8')
+    yax.quantize(dmox, v, '//module_call', tile=32)
+  with pytest.raises(yax.SubstitutionError, match='act must be'):
+    yax.quantize(dmox, v, '//module_call', act='int4')
 
 
 def test_qlora_on_bert_starts_near_float_and_merges_to_float_params():
@@ -264,3 +266,48 @@ def test_qlora_on_bert_starts_near_float_and_merges_to_float_params():
   np.testing.assert_allclose(fn(merged, ids),
                              yax.eval_mox(res.mox, trained, ids), rtol=1e-4,
                              atol=1e-4)
+
+
+def reference_rows(x, fmt, contracted):
+  """Dynamic activation quantization: absmax per row over ``contracted``."""
+  return reference(x, fmt, contracted)
+
+
+def test_act_int8_quantizes_the_input_per_row_and_attention_scores():
+  class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      q = nn.Dense(8, name='q')(x)
+      k = nn.Dense(8, name='k')(x)
+      scores = jnp.einsum('btd,bsd->bts', q, k)
+      return jax.nn.softmax(scores, -1)
+
+  model = Attention()
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  q = yax.quantize(mox, variables, '//module_call[@type="Dense"]',
+                   weight='int8', act='int8')
+  yax.check_mox(q.mox)
+  # By hand: each Dense sees x quantized per row (over its last axis) and
+  # its int8 kernel.
+  p = variables['params']
+  xq = reference_rows(x, 'int8', (2,))
+  qq = xq @ reference(p['q']['kernel'], 'int8', (0,)) + p['q']['bias']
+  kk = xq @ reference(p['k']['kernel'], 'int8', (0,)) + p['k']['bias']
+  want = jax.nn.softmax(jnp.einsum('btd,bsd->bts', qq, kk), -1)
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x), want,
+                             rtol=1e-5, atol=1e-5)
+  # The weight-free scores einsum, selected as an equation, on int8 inputs.
+  scores = '//module_call[@type="Attention"]/dot_general'
+  with pytest.raises(yax.SubstitutionError, match='pass act='):
+    yax.quantize(mox, variables, scores)
+  both = yax.quantize(mox, variables, scores, act='int8')
+  assert both.paths == []
+  qf = x @ p['q']['kernel'] + p['q']['bias']
+  kf = x @ p['k']['kernel'] + p['k']['bias']
+  want = jax.nn.softmax(jnp.einsum(
+      'btd,bsd->bts', reference_rows(qf, 'int8', (2,)),
+      reference_rows(kf, 'int8', (2,))), -1)
+  np.testing.assert_allclose(yax.eval_mox(both.mox, both.params, x), want,
+                             rtol=1e-5, atol=1e-5)

@@ -83,7 +83,38 @@ def _traced(fn, *specs):
                         for x in specs))
 
 
-def _template(node: Mox, plan, fmt: str, mode: str) -> Mox:
+def _act_quant(x, fmt: str, contracted: tuple):
+  """Dynamic activation quantization: ``x`` rounded to ``fmt`` with one
+  absmax scale per row (over the ``contracted`` axes), straight-through."""
+  q, scale = quantize_array(x, fmt, contracted)
+  return x + jax.lax.stop_gradient(
+      dequantize_array(q, scale, fmt, x.dtype) - x)
+
+
+def _x_axes(c) -> tuple | None:
+  """The contracted axes of the module input that feeds a dot_general
+  unchanged but for casts; None where steps move its axes."""
+  if c.kind != 'dot_general' or any(
+      step.prim.name not in ('convert_element_type', 'copy', 'copy_p')
+      for step in c.x_steps):
+    return None
+  (lc, rc), _ = c.dimension_numbers
+  return tuple((lc, rc)[1 - c.kernel_side])
+
+
+def _equation_template(eqn: Equation, act: str) -> Mox:
+  """A weight-free dot_general (attention scores) on quantized inputs."""
+  (lc, rc), _ = eqn.params['dimension_numbers']
+  a, b = (jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
+          for s in eqn.inputs)
+
+  def fn(a, b):
+    return eqn.prim.bind(_act_quant(a, act, tuple(lc)),
+                         _act_quant(b, act, tuple(rc)), **eqn.params)
+  return make_mox(fn)(a, b)
+
+
+def _template(node: Mox, plan, fmt: str, mode: str, act=None) -> Mox:
   """``node`` reading its kernel through (de)quantization equations."""
   c = plan.contraction
   kernel = node.var_inputs[c.kernel_index]
@@ -137,7 +168,24 @@ def _template(node: Mox, plan, fmt: str, mode: str) -> Mox:
                             **{name: v for name, v in extra}}}
     var_inputs, var_tree = jtu.tree_flatten(
         tree, is_leaf=lambda s: isinstance(s, Symbol))
-  call = Mox(var_inputs + list(node.arg_inputs), list(node.outputs),
+  arg_inputs = list(node.arg_inputs)
+  if act is not None:  # the input, quantized per row before the body
+    x = node.inputs[c.x_index]
+    x_in = Var(x.aval)
+    act_root = _traced(lambda v: _act_quant(v, act, _x_axes(c)),
+                       jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype))
+    act_wiring = {non_literals(act_root.inputs)[0]: x_in}
+    act_children = []
+    for eqn in act_root.children:
+      ins = [s if isinstance(s, Literal) else act_wiring[s]
+             for s in eqn.inputs]
+      outs = [x if s is act_root.outputs[0] else Var(s.aval)
+              for s in eqn.outputs]
+      act_wiring.update(zip(eqn.outputs, outs, strict=True))
+      act_children.append(eqn.replace(inputs=ins, outputs=outs))
+    children = act_children + children
+    arg_inputs = [x_in if s is x else s for s in arg_inputs]
+  call = Mox(var_inputs + arg_inputs, list(node.outputs),
              {**node.params, 'quant': fmt if mode == 'ptq' else f'{fmt}-qat'},
              children=children + list(node.children),
              module_ty=node.module_ty, entrypoint=node.entrypoint,
@@ -162,8 +210,11 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   - ``mode``: ``'ptq'`` stores the quantized kernels; ``'qat'`` keeps
     float params and fake-quantizes them in the forward pass with a
     straight-through gradient.
-  - ``act``, ``tile``: activation quantization and tiled scales are not
-    built yet; anything but ``None`` raises ``SubstitutionError``.
+  - ``act``: ``None``, ``'int8'`` or ``'fp8'``: also quantize the
+    contraction's other operand dynamically, one scale per row; with it, a
+    selected weight-free ``dot_general`` (attention scores ``q.k``,
+    ``p.v``) has both operands quantized.
+  - ``tile``: tiled scales are not built yet (``None`` only).
 
   **Returns:** a :class:`QuantizeResult` (``.mox``, ``.params``,
   ``.paths``, ``.nbytes``, ``.dequantize``). Integer leaves in ``.params``
@@ -184,10 +235,13 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   if mode not in ('ptq', 'qat'):
     raise SubstitutionError(
         f"quantize: mode must be 'ptq' or 'qat', found {mode!r}")
-  if act is not None or tile is not None:
+  if act not in (None, 'int8', 'fp8'):
     raise SubstitutionError(
-        'quantize: activation quantization (act=) and tiled scales (tile=) '
-        f'are not built yet; found act={act!r}, tile={tile!r}')
+        f"quantize: act must be None, 'int8' or 'fp8', found {act!r}")
+  if tile is not None:
+    raise SubstitutionError(
+        f'quantize: tiled scales (tile=) are not built yet; found tile={tile!r}'
+        ' (scales are per output channel)')
   collections = collections_of(mox)
   group = NNX_GROUP if NNX_GROUP in collections else 'params'
   prefix = collections.get(group)
@@ -200,11 +254,20 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   chosen = select(selection, mox)
   keypaths = root_keypaths(mox)
   plans, problems = {}, []
+  equations = {}
   for node in chosen.targets:
+    if isinstance(node, Equation) and node.prim.name == 'dot_general':
+      if act is None:
+        problems.append((node, 'a dot_general with no parameter operand is '
+                         "quantized on its activations: pass act='int8' or "
+                         "act='fp8'"))
+      else:
+        equations[id(node)] = _equation_template(node, act)
+      continue
     if not isinstance(node, Mox) or node.is_ephemeral:
       raise SubstitutionError(
-          f'quantize selects module calls, but {chosen.description} matched '
-          f'{describe(node)}')
+          f'quantize selects module calls and dot_general equations, but '
+          f'{chosen.description} matched {describe(node)}')
     if any(isinstance(a, Equation) for a in chosen.ancestors[id(node)]):
       problems.append((node, 'it runs inside the body of a lifted transform '
                        '(nn.scan, nn.remat, jit ...), which quantize does not '
@@ -221,6 +284,11 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                        'parameter at its own path (a tied or computed '
                        'kernel)'))
       continue
+    if act is not None and _x_axes(plan.contraction) is None:
+      problems.append((node, 'act= quantizes the input of a dot_general fed '
+                       'by the module input unchanged; this one is a '
+                       f'{plan.contraction.kind} or reshapes its input first'))
+      continue
     plans[id(node)] = plan
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
@@ -231,6 +299,8 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   # Every reader of a quantized kernel must be quantized with it.
   selected = {id(n) for n in chosen.targets}
   for node in chosen.targets:
+    if id(node) in equations:
+      continue
     kernel = node.var_inputs[plans[id(node)].contraction.kernel_index]
     for other in _readers(mox, kernel):
       if id(other) not in selected and not any(
@@ -239,14 +309,17 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
             f'quantize: the kernel of {describe(node)} is also read by '
             f'{describe(other)}, which is not selected; quantize both or '
             'neither')
-  done = substitute(chosen, lambda path, node: _template(
-      node, plans[id(node)], weight, mode), mox, retype=(mode == 'ptq'))
-  paths = sorted({tuple(n.path) for n in chosen.targets})
+  done = substitute(chosen, lambda path, node: equations[id(node)]
+                    if id(node) in equations else _template(
+                        node, plans[id(node)], weight, mode, act),
+                    mox, retype=(mode == 'ptq'))
+  modules = [n for n in chosen.targets if id(n) in plans]
+  paths = sorted({tuple(n.path) for n in modules})
   if mode == 'qat':
     return QuantizeResult(done.mox, params, paths,
                           (_nbytes(params), _nbytes(params)), lambda p: p)
   values, seen = [], set()
-  for node in chosen.targets:
+  for node in modules:
     plan = plans[id(node)]
     keys = (*inside, *node.path)
     if keys in seen:
@@ -261,7 +334,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     values.append(((*keys, f'{plan.kernel_name}_scale'), scale_value))
   new_params = set_many(params, values)
   new_mox = _lora.with_argument_structure(done.mox, prefix[:2], new_params)
-  quantized = {(*inside, *n.path): plans[id(n)] for n in chosen.targets}
+  quantized = {(*inside, *n.path): plans[id(n)] for n in modules}
 
   def dequantize(p):
     """Float params for the original tree: each kernel dequantized, its
@@ -280,7 +353,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
 
   plan_dtype = {(*inside, *n.path): n.var_inputs[
       plans[id(n)].contraction.kernel_index].aval.dtype
-                for n in chosen.targets}
+                for n in modules}
   return QuantizeResult(new_mox, new_params, paths,
                         (_nbytes(params), _nbytes(new_params)), dequantize)
 
