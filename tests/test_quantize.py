@@ -207,8 +207,16 @@ def test_quantize_refusals():
   ids = jnp.array([[1, 2, 3]])
   variables = model.init(jax.random.key(0), ids)
   mox = yax.make_mox(model.apply)(variables, ids)
-  with pytest.raises(yax.SubstitutionError, match='also read by'):
-    yax.quantize(mox, variables, '//module_call[@method="attend"]')
+  # Embed.attend: the table it shares is quantized, and the lookup reads
+  # the same (dequantized) table.
+  q = yax.quantize(mox, variables, '//module_call[@method="attend"]')
+  yax.check_mox(q.mox)
+  assert q.params['params']['embed']['embedding'].dtype == jnp.int8
+  table = reference(variables['params']['embed']['embedding'], 'int8', (1,))
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, ids),
+                             table[ids] @ table.T, **TOL)
+  np.testing.assert_allclose(
+      model.apply(q.dequantize(q.params), ids), table[ids] @ table.T, **TOL)
   dense = nn.Dense(3)
   x = jnp.ones((2, 4))
   v = dense.init(jax.random.key(0), x)

@@ -114,10 +114,15 @@ def _equation_template(eqn: Equation, act: str) -> Mox:
   return make_mox(fn)(a, b)
 
 
-def _template(node: Mox, plan, fmt: str, mode: str, act=None) -> Mox:
-  """``node`` reading its kernel through (de)quantization equations."""
+def _template(node: Mox, plan, fmt: str, mode: str, act=None,
+              kernel_index=None) -> Mox:
+  """``node`` reading its kernel through (de)quantization equations
+  (``kernel_index``: where the kernel is among the node's variables, for a
+  call that reads the kernel of another call's plan, as Embed's lookup
+  reads the table its attend contracts)."""
   c = plan.contraction
-  kernel = node.var_inputs[c.kernel_index]
+  index = c.kernel_index if kernel_index is None else kernel_index
+  kernel = node.var_inputs[index]
   contracted = _contracted_axes(plan)
   shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
   keys = var_keys(node)
@@ -149,7 +154,7 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None) -> Mox:
     children.append(eqn.replace(inputs=ins, outputs=outs))
   if not children:  # nothing to compute: cannot happen for these formats
     raise SubstitutionError('internal: an empty dequantization')
-  var_inputs = [stored if i == c.kernel_index else s
+  var_inputs = [stored if i == index else s
                 for i, s in enumerate(node.var_inputs)]
   tree = jtu.tree_unflatten(node.var_tree, var_inputs)
   if isinstance(tree, _nnx.VariableTree):
@@ -296,23 +301,40 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
         f'quantize cannot quantize {len(problems)} of the '
         f'{len(chosen.targets)} module calls selected by '
         f'{chosen.description}:\n{lines}')
-  # Every reader of a quantized kernel must be quantized with it.
+  # Every reader of a quantized kernel reads it quantized: another call
+  # of the same module (Embed's lookup next to its attend) dequantizes the
+  # same table; any other reader must be selected too.
   selected = {id(n) for n in chosen.targets}
+  readers = {}  # id -> (reader, plan, kernel index)
   for node in chosen.targets:
     if id(node) in equations:
       continue
     kernel = node.var_inputs[plans[id(node)].contraction.kernel_index]
     for other in _readers(mox, kernel):
-      if id(other) not in selected and not any(
+      if id(other) in selected or any(
           other is a for a in chosen.ancestors[id(node)]):
-        raise SubstitutionError(
-            f'quantize: the kernel of {describe(node)} is also read by '
-            f'{describe(other)}, which is not selected; quantize both or '
-            'neither')
-  done = substitute(chosen, lambda path, node: equations[id(node)]
-                    if id(node) in equations else _template(
-                        node, plans[id(node)], weight, mode, act),
-                    mox, retype=(mode == 'ptq'))
+        continue
+      if other.path == node.path and other.module_ty is node.module_ty:
+        readers[id(other)] = (other, plans[id(node)],
+                              other.var_inputs.index(kernel))
+        continue
+      raise SubstitutionError(
+          f'quantize: the kernel of {describe(node)} is also read by '
+          f'{describe(other)}, which is not selected; quantize both or '
+          'neither')
+  if readers:
+    chosen = select([*chosen.targets, *(r for r, _, _ in readers.values())],
+                    mox)
+
+  def make(path, node):
+    if id(node) in equations:
+      return equations[id(node)]
+    if id(node) in readers:
+      _, plan, index = readers[id(node)]
+      return _template(node, plan, weight, mode, None, index)
+    return _template(node, plans[id(node)], weight, mode, act)
+
+  done = substitute(chosen, make, mox, retype=(mode == 'ptq'))
   modules = [n for n in chosen.targets if id(n) in plans]
   paths = sorted({tuple(n.path) for n in modules})
   if mode == 'qat':
