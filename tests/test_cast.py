@@ -106,3 +106,25 @@ def test_cast_refuses_in_one_round_and_checks_its_arguments():
     yax.cast(lmox, '//module_call[@type="Dense"]', 'int8')
   with pytest.raises(yax.SubstitutionError, match='selects module calls'):
     yax.cast(lmox, '//dot_general')
+
+
+def test_summary_shows_each_calls_compute_dtype():
+  from yax import _summary
+  model = MLP()
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  assert {r.path: r.dtype for r in yax.summary(mox)} == {
+      '': 'float32', 'Dense_0': 'float32', 'LayerNorm_0': 'float32',
+      'Dense_1': 'float32'}
+  assert not any('dtype' in line and 'path' in line
+                 for line in _summary.format_summary(mox).splitlines())
+  low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+  rows = {r.path: r.dtype for r in yax.summary(low)}
+  assert rows['Dense_0'] == rows['Dense_1'] == 'bfloat16'
+  assert rows['LayerNorm_0'] == 'float32'
+  table = _summary.format_summary(low)
+  assert any('dtype' in line and 'path' in line for line in table.splitlines())
+  q = yax.quantize(mox, variables, '//module_call[@path="Dense_1"]')
+  assert {r.path: r.dtype for r in yax.summary(q.mox)}['Dense_1'] == \
+      'float32 (int8)'

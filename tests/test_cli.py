@@ -565,3 +565,13 @@ def test_factory_spec_parsing():
   assert _cli._parse_spec('file.py:Cls.build') == ('file.py', 'Cls.build')
   with pytest.raises(_cli._Usage, match='not a Python identifier'):
     _cli._parse_spec('file.py:a-b')
+
+
+def test_summary_dtypes_column(workdir):
+  plain = run_yax('summary', 'yax._bundled:factory', cwd=workdir).stdout.decode()
+  assert ' dtype ' not in plain.splitlines()[1]
+  out = run_yax('summary', '--dtypes', 'yax._bundled:factory',
+                cwd=workdir).stdout.decode()
+  header = next(line for line in out.splitlines() if 'dtype' in line)
+  assert 'path' in header and 'FLOPs' in header
+  assert 'float32' in out

@@ -314,15 +314,18 @@ def show(model, output):
               help='Fit the table in this many columns (default: COLUMNS '
               'when set, else the terminal width; unlimited when not writing '
               'to a terminal and COLUMNS is not set).')
+@click.option('--dtypes', is_flag=True,
+              help='Add a column with the dtype each module call computes '
+              'in (shown anyway where calls were cast or quantized).')
 @debug_option
-def summary(model, depth, xla_flops, width):
+def summary(model, depth, xla_flops, width, dtypes):
   """Print a table of module calls: path, type, named inputs and outputs,
   own variables, own and total parameters, FLOPs."""
   from yax import _summary
   mox, label = trace_model(model)
   with progress('summarizing'):
     _summary.print_table(mox, depth=depth, title=label, xla=xla_flops,
-                         width=width)
+                         width=width, dtypes=dtypes)
 
 
 @cli.command()

@@ -454,6 +454,10 @@ class SummaryRow:
   other_vars: dict[str, int]
   flops: int
   node: Mox = dataclasses.field(repr=False, compare=False)
+  # The dtype the call computes in: what yax.cast set, else the dtype of
+  # its first floating output (or of its first contraction's result); a
+  # kernel quantized by yax.quantize adds its format: 'float32 (int8)'.
+  dtype: str = ''
 
   @property
   def type(self) -> str:
@@ -514,13 +518,26 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
           variables=tuple(texts),
           own_params=count(own.values())[0], params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
-          flops=flops(node), node=node))
+          flops=flops(node), node=node, dtype=compute_dtype(node)))
       level, owner = level + 1, node
     for child in node.children:
       visit(child, level, owner)
 
   visit(mox, 0, None)
   return out
+
+
+def compute_dtype(node: Mox) -> str:
+  """See :attr:`SummaryRow.dtype`."""
+  text = node.params.get('compute_dtype')
+  if not isinstance(text, str):
+    floats = [s.aval.dtype for s in node.outputs if s.aval is not None
+              and np.issubdtype(s.aval.dtype, np.floating)]
+    text = str(floats[0]) if floats else next(
+        (str(e.outputs[0].aval.dtype) for e in leaf_equations(node)
+         if e.prim.name in ('dot_general', 'conv_general_dilated')), '')
+  quant = node.params.get('quant')
+  return f'{text} ({quant})' if isinstance(quant, str) and text else text
 
 
 # ------------------------------------------------------------ rendering
@@ -713,7 +730,7 @@ def _min_table_width(columns: list[_Column], cells: list[list[str]]) -> int:
 
 def format_summary(mox: Mox, *, depth: int | None = None,
                    title: str | None = None, width: int | None = None,
-                   xla: bool = False) -> str:
+                   xla: bool = False, dtypes: bool = False) -> str:
   """The summary as text: a title line, the table (see
   :func:`render_table`) and totals. ``width=None`` does not limit it.
 
@@ -722,7 +739,16 @@ def format_summary(mox: Mox, *, depth: int | None = None,
   with variables); if even that does not fit, it is wider than ``width``.
   """
   rows = summary(mox, depth=depth)
+  # The compute dtype column: asked for, or where a call was cast or
+  # quantized (plain trees print as before).
+  show = dtypes or any(isinstance(r.node.params.get(k), str) for r in rows
+                       for k in ('compute_dtype', 'quant'))
   for layout in _LAYOUTS:
+    if show:
+      layout = [*layout[:-3], ('dtype', lambda r: r.dtype, False, True),
+                *layout[-3:]] if len(layout) > 5 else [
+                    *layout[:1], ('dtype', lambda r: r.dtype, False, True),
+                    *layout[1:]]
     columns = [_Column(h, right=right, wrap=wrap) for h, _, right, wrap in layout]
     cells = [[cell(row) for _, cell, _, _ in layout] for row in rows]
     if width is None or _min_table_width(columns, cells) <= width:
