@@ -84,21 +84,37 @@ def test_cast_of_bert_dense_layers_beats_hf_bfloat16():
                    low)
 
 
-def test_cast_refuses_in_one_round_and_checks_its_arguments():
-  class NNXLinear(nnx.Module):
-    def __init__(self, rngs):
-      self.lin = nnx.Linear(4, 3, rngs=rngs)
+class NNXNet(nnx.Module):
 
-    def __call__(self, x):
-      return self.lin(x)
+  def __init__(self, rngs, dtype=None):
+    self.lin = nnx.Linear(4, 8, dtype=dtype, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.out = nnx.Linear(8, 3, dtype=dtype, rngs=rngs)
 
-  model = NNXLinear(nnx.Rngs(0))
-  x = jnp.ones((2, 4))
+  def __call__(self, x):
+    return self.out(self.norm(jax.nn.relu(self.lin(x))))
+
+
+def test_nnx_cast_equals_the_modules_built_with_that_dtype():
+  """NNX calls cannot be rebuilt from recorded fields: their traced body
+  runs again on inputs and variables cast at the boundary."""
+  model = NNXNet(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 4))
   graphdef, state = nnx.split(model)
-  mox = yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
-  with pytest.raises(yax.SubstitutionError,
-                     match=r'(?s)cannot make 1 of the 1 .*not a Flax Linen'):
-    yax.cast(mox, '//module_call[@type="Linear"]')
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, state, x)
+  reference = NNXNet(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  np.testing.assert_array_equal(got, reference(x).astype(jnp.float32))
+  assert {r.path: r.dtype for r in yax.summary(low)} == {
+      '': 'float32', 'lin': 'bfloat16', 'norm': 'float32', 'out': 'bfloat16'}
+
+
+def test_cast_checks_its_arguments():
+  x = jnp.ones((2, 4))
   linen = MLP()
   variables = linen.init(jax.random.key(0), x)
   lmox = yax.make_mox(linen.apply)(variables, x)

@@ -8,7 +8,9 @@ fields the trace recorded, with its ``dtype`` field (where it has one) set
 to the compute dtype, and traced again on its floating inputs and variables
 cast to that dtype at the call's boundary. The body therefore rounds as the
 same module built with ``dtype=compute`` would, and what the module's code
-casts explicitly (an upcast before a softmax or a norm) keeps its dtype.
+casts explicitly (an upcast before a softmax or a norm) keeps its dtype. A
+call that cannot be rebuilt (an NNX module) has its traced body run again
+on the cast inputs and variables instead.
 The call's outputs are cast back to their traced dtypes (what the rest of
 the tree reads); stored params do not change, and the call keeps its type,
 path and variables, so selections written for the float tree still work.
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
 
+from yax import _eval
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox
 from yax._sub import describe, select, substitute
@@ -53,10 +56,7 @@ def _is_float(x) -> bool:
 def _rebuilt(node: Mox, dtype):
   cls = node.module_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-    raise _Refused(
-        f'it is a {getattr(cls, "__module__", "")}.{node.type_name} call, not '
-        'a Flax Linen module (cast rebuilds Linen modules from their recorded '
-        'fields; NNX module calls are not supported yet)')
+    raise _Refused(f'internal: {node.type_name} is not a Linen module')
   fields = {f.name for f in dataclasses.fields(cls)
             if f.init and f.name not in ('parent', 'name')}
   kwargs = {k: v for k, v in node.params.items() if k in fields}
@@ -77,8 +77,46 @@ def _prefixed(expr, prefix: tuple):
   return expr.replace(children=children)
 
 
+def _replayed(node: Mox, dtype) -> Mox:
+  """A replacement for a call that cannot be rebuilt (an NNX module): its
+  traced body run again on inputs and variables cast to ``dtype``, every
+  equation at the dtype promotion gives it (an explicit cast in the body
+  keeps its dtype); outputs cast back."""
+  spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+  values = [s.value if isinstance(s, Literal) else spec(s)
+            for s in node.inputs]
+  traced_out = [s.aval.dtype if s.aval is not None else None
+                for s in node.outputs]
+
+  def run(values):
+    low = [v.astype(dtype) if _is_float(v) else v for v in values]
+    outs = _eval.Interpreter().run(node, [], low)
+    return [o.astype(t) if _is_float(o) and t else o
+            for o, t in zip(outs, traced_out, strict=True)]
+
+  try:
+    root = make_mox(run)(values)
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    raise _Refused(f'running its body again at {dtype.name} raised '
+                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
+        from None
+  params = {**node.params, 'compute_dtype': dtype.name}
+  if 'dtype' in params:
+    params['dtype'] = dtype
+  call = Mox(root.inputs, root.outputs, params,
+             children=[_prefixed(c, node.path) for c in root.children],
+             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             constvars=root.constvars, consts=root.consts)
+
+
 def _recast(node: Mox, dtype, output) -> Mox:
   """A replacement for ``node``: the module traced again at ``dtype``."""
+  cls = node.module_ty
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    return _replayed(node, dtype)
   module, has_dtype = _rebuilt(node, dtype)
   method = getattr(type(module), node.entrypoint or '__call__', None)
   if not callable(method):
@@ -140,7 +178,7 @@ def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath (or node list) of Linen module calls, e.g.
+  - ``selection``: XPath (or node list) of module calls (Linen or NNX), e.g.
     ``'//module_call[@type="Dense"]'``.
   - ``compute``: the floating dtype the selected calls compute in.
   - ``output``: the dtype of their floating outputs; they are cast back to
