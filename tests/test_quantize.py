@@ -223,8 +223,8 @@ def test_quantize_refusals():
   dmox = yax.make_mox(dense.apply)(v, x)
   with pytest.raises(yax.SubstitutionError, match='weight must be one of'):
     yax.quantize(dmox, v, '//module_call', weight='int3')
-  with pytest.raises(yax.SubstitutionError, match='not built yet'):
-    yax.quantize(dmox, v, '//module_call', tile=32)
+  with pytest.raises(yax.SubstitutionError, match='tile must be'):
+    yax.quantize(dmox, v, '//module_call', tile=0)
   with pytest.raises(yax.SubstitutionError, match='act must be'):
     yax.quantize(dmox, v, '//module_call', act='int4')
 
@@ -319,3 +319,42 @@ def test_act_int8_quantizes_the_input_per_row_and_attention_scores():
       reference_rows(kf, 'int8', (2,))), -1)
   np.testing.assert_allclose(yax.eval_mox(both.mox, both.params, x), want,
                              rtol=1e-5, atol=1e-5)
+
+
+def reference_tiled(w, fmt, contracted, tile):
+  """Tiled absmax: the contracted axes (kernel order) flattened and cut
+  into tiles of ``tile`` elements, one scale per tile and output channel."""
+  w = np.asarray(w, np.float32)
+  other = [i for i in range(w.ndim) if i not in contracted]
+  moved = np.transpose(w, [*contracted, *other])
+  rows = moved.reshape(-1, tile, *moved.shape[len(contracted):])
+  deq = reference(rows, fmt, (1,))
+  return np.transpose(deq.reshape(moved.shape),
+                      np.argsort([*contracted, *other]))
+
+
+@pytest.mark.parametrize('fmt', ['int8', 'nf4'])
+def test_tiled_scales(fmt):
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  img = jax.random.normal(jax.random.key(1), (1, 6, 6, 2))
+  variables = model.init(jax.random.key(2), x, img)
+  mox = yax.make_mox(model.apply)(variables, x, img)
+  q = yax.quantize(mox, variables, '//module_call[@path="einsum" or '
+                   '@path="conv"]', weight=fmt, tile=2)
+  yax.check_mox(q.mox)
+  # conv: [3, 3, 2, 3], 18 contracted elements -> 9 tiles per channel.
+  assert q.params['params']['conv']['kernel_scale'].shape == (9, 1, 3)
+  assert q.params['params']['einsum']['w_scale'].shape == (4, 1, 2, 4)
+  ref = jax.tree.map(lambda a: a, variables)
+  for path, name, contracted in KERNELS[1:]:
+    ref['params'][path][name] = reference_tiled(
+        variables['params'][path][name], fmt, contracted, 2)
+  for g, w in zip(yax.eval_mox(q.mox, q.params, x, img),
+                  model.apply(ref, x, img), strict=True):
+    np.testing.assert_allclose(g, w, **TOL)
+  for g, w in zip(model.apply(q.dequantize(q.params), x, img),
+                  model.apply(ref, x, img), strict=True):
+    np.testing.assert_allclose(g, w, **TOL)
+  with pytest.raises(yax.SubstitutionError, match='does not divide'):
+    yax.quantize(mox, variables, '//module_call[@path="conv"]', tile=4)

@@ -25,9 +25,40 @@ FORMATS = {
 }
 
 
-def quantize_array(w, fmt: str, contracted: tuple):
+def _tiled(w, contracted: tuple, tile: int):
+  """``w`` as ``[n_tiles, tile, *other axes]``: the contracted axes, in
+  kernel order, flattened and cut into tiles; and how to undo it."""
+  other = [i for i in range(w.ndim) if i not in contracted]
+  perm = [*contracted, *other]
+  moved = jnp.transpose(w, perm)
+  size = int(np.prod([w.shape[i] for i in contracted]))
+  if tile <= 0 or size % tile:
+    raise ValueError(f'tile={tile} does not divide the {size} contracted '
+                     f'elements of a kernel of shape {tuple(w.shape)}')
+  tiles = moved.reshape(size // tile, tile, *moved.shape[len(contracted):])
+
+  def back(x):
+    return jnp.transpose(x.reshape(moved.shape), np.argsort(perm))
+  return tiles, back
+
+
+def scale_shape(shape: tuple, contracted: tuple, tile: int | None) -> tuple:
+  """The shape of the scales of a kernel of ``shape``."""
+  if tile is None:
+    return tuple(1 if i in contracted else n for i, n in enumerate(shape))
+  size = int(np.prod([shape[i] for i in contracted]))
+  return (size // tile, 1, *(n for i, n in enumerate(shape)
+                              if i not in contracted))
+
+
+def quantize_array(w, fmt: str, contracted: tuple, tile: int | None = None):
   """``(q, scale)``: ``w`` stored in ``fmt`` with absmax scales over the
-  ``contracted`` axes (kept as size-1 axes in ``scale``)."""
+  ``contracted`` axes (kept as size-1 axes in ``scale``), or over each
+  ``tile`` elements of them (flattened in kernel order)."""
+  if tile is not None:
+    tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
+    q, scale = quantize_array(tiles, fmt, (1,))
+    return back(q), scale
   dtype, top, _ = FORMATS[fmt]
   w = jnp.asarray(w, jnp.float32)
   absmax = jnp.max(jnp.abs(w), axis=contracted, keepdims=True)
@@ -41,9 +72,17 @@ def quantize_array(w, fmt: str, contracted: tuple):
   return jnp.clip(jnp.round(w / scale), -top, top).astype(dtype), scale
 
 
-def dequantize_array(q, scale, fmt: str, dtype=jnp.float32):
+def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
+                     contracted: tuple = ()):
+  """The float kernel of ``q`` and its scales (tiled scales, of rank
+  ``q.ndim - len(contracted) + 2``, need the ``contracted`` axes)."""
   if fmt == 'nf4':
     values = jnp.take(jnp.asarray(NF4_LEVELS), q.astype(jnp.int32))
   else:
     values = q.astype(jnp.float32)
+  if scale.ndim != values.ndim or (
+      contracted and any(scale.shape[i] != 1 for i in contracted)):
+    tiles, back = _tiled(values, contracted, values.size // (
+        scale.shape[0] * int(np.prod(scale.shape[2:]))))
+    return back(tiles * scale).astype(dtype)
   return (values * scale).astype(dtype)

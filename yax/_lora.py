@@ -750,7 +750,8 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       if plan.quant is not None:  # QLoRA: back to the float kernel
         scale_name = f'{plan.kernel_name}_scale'
         kernel = dequantize_array(kernel, unboxed(get_in(
-            out, (*keys, scale_name))), plan.quant, a.dtype)
+            out, (*keys, scale_name))), plan.quant, a.dtype,
+            tuple(v for v in plan.a_axes if v is not None))
         drop = (*names, scale_name)
       delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):

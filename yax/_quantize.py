@@ -25,7 +25,8 @@ import numpy as np
 from jax import tree_util as jtu
 
 from yax import _contraction, _lora, _nnx
-from yax._formats import FORMATS, dequantize_array, quantize_array
+from yax._formats import (FORMATS, dequantize_array, quantize_array,
+                          scale_shape)
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
@@ -54,12 +55,12 @@ class QuantizeResult:
   dequantize: Callable[[Any], Any]
 
 
-def _fake_quant(w, fmt: str, contracted: tuple):
+def _fake_quant(w, fmt: str, contracted: tuple, tile=None):
   """The forward pass sees the quantized kernel, the gradient is the
   identity (straight-through)."""
-  q, scale = quantize_array(w, fmt, contracted)
+  q, scale = quantize_array(w, fmt, contracted, tile)
   return w + jax.lax.stop_gradient(
-      dequantize_array(q, scale, fmt, w.dtype) - w)
+      dequantize_array(q, scale, fmt, w.dtype, contracted) - w)
 
 
 def _nbytes(tree) -> int:
@@ -115,7 +116,7 @@ def _equation_template(eqn: Equation, act: str) -> Mox:
 
 
 def _template(node: Mox, plan, fmt: str, mode: str, act=None,
-              kernel_index=None) -> Mox:
+              kernel_index=None, tile=None) -> Mox:
   """``node`` reading its kernel through (de)quantization equations
   (``kernel_index``: where the kernel is among the node's variables, for a
   call that reads the kernel of another call's plan, as Embed's lookup
@@ -129,18 +130,17 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   scale_name = f'{plan.kernel_name}_scale'
   if mode == 'qat':
     stored = Var(kernel.aval)
-    root = _traced(lambda w: _fake_quant(w, fmt, contracted),
+    root = _traced(lambda w: _fake_quant(w, fmt, contracted, tile),
                    jax.ShapeDtypeStruct(shape, dtype))
     extra = []
   else:
     q_dtype = FORMATS[fmt][0]
-    scale_shape = tuple(1 if i in contracted else n
-                        for i, n in enumerate(shape))
+    s_shape = scale_shape(shape, contracted, tile)
     stored = Var(jax.core.ShapedArray(shape, jnp.dtype(q_dtype)))
-    scale = Var(jax.core.ShapedArray(scale_shape, jnp.float32))
-    root = _traced(lambda q, s: dequantize_array(q, s, fmt, dtype),
+    scale = Var(jax.core.ShapedArray(s_shape, jnp.float32))
+    root = _traced(lambda q, s: dequantize_array(q, s, fmt, dtype, contracted),
                    jax.ShapeDtypeStruct(shape, q_dtype),
-                   jax.ShapeDtypeStruct(scale_shape, jnp.float32))
+                   jax.ShapeDtypeStruct(s_shape, jnp.float32))
     extra = [(scale_name, scale)]
   inputs = non_literals(root.inputs)
   wiring = dict(zip(inputs, [stored] + [v for _, v in extra], strict=True))
@@ -219,7 +219,9 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     contraction's other operand dynamically, one scale per row; with it, a
     selected weight-free ``dot_general`` (attention scores ``q.k``,
     ``p.v``) has both operands quantized.
-  - ``tile``: tiled scales are not built yet (``None`` only).
+  - ``tile``: ``None`` (one scale per output channel) or a positive int:
+    one scale per ``tile`` elements of the contracted axes (flattened in
+    kernel order), per output channel.
 
   **Returns:** a :class:`QuantizeResult` (``.mox``, ``.params``,
   ``.paths``, ``.nbytes``, ``.dequantize``). Integer leaves in ``.params``
@@ -243,10 +245,12 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   if act not in (None, 'int8', 'fp8'):
     raise SubstitutionError(
         f"quantize: act must be None, 'int8' or 'fp8', found {act!r}")
-  if tile is not None:
+  if tile is not None and (isinstance(tile, bool) or not isinstance(
+      tile, int) or tile < 1):
     raise SubstitutionError(
-        f'quantize: tiled scales (tile=) are not built yet; found tile={tile!r}'
-        ' (scales are per output channel)')
+        f'quantize: tile must be a positive int (elements of the contracted '
+        f'axes per scale) or None (one scale per output channel); found '
+        f'{tile!r}')
   collections = collections_of(mox)
   group = NNX_GROUP if NNX_GROUP in collections else 'params'
   prefix = collections.get(group)
@@ -288,6 +292,12 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
       problems.append((node, f'its kernel {kernel.type_str} is not the '
                        'parameter at its own path (a tied or computed '
                        'kernel)'))
+      continue
+    size = math.prod(plan.kernel_shape[i] for i in _contracted_axes(plan))
+    if tile is not None and size % tile:
+      problems.append((node, f'tile={tile} does not divide the {size} '
+                       'contracted elements of its kernel '
+                       f'{kernel.type_str}'))
       continue
     if act is not None and _x_axes(plan.contraction) is None:
       problems.append((node, 'act= quantizes the input of a dot_general fed '
@@ -331,8 +341,8 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
       return equations[id(node)]
     if id(node) in readers:
       _, plan, index = readers[id(node)]
-      return _template(node, plan, weight, mode, None, index)
-    return _template(node, plans[id(node)], weight, mode, act)
+      return _template(node, plan, weight, mode, None, index, tile)
+    return _template(node, plans[id(node)], weight, mode, act, None, tile)
 
   done = substitute(chosen, make, mox, retype=(mode == 'ptq'))
   modules = [n for n in chosen.targets if id(n) in plans]
@@ -349,7 +359,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     seen.add(keys)
     boxed = get_in(params, (*keys, plan.kernel_name))
     q, scale = quantize_array(_lora.unboxed(boxed), weight,
-                              _contracted_axes(plan))
+                              _contracted_axes(plan), tile)
     values.append(((*keys, plan.kernel_name), _lora.boxed_like(boxed, q)))
     scale_value = scale if group != NNX_GROUP else _nnx.variable_holding(
         'Param', scale)
@@ -367,7 +377,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
       boxed = get_in(out, (*keys, plan.kernel_name))
       scale = _lora.unboxed(get_in(out, (*keys, f'{plan.kernel_name}_scale')))
       kernel = dequantize_array(_lora.unboxed(boxed), scale, weight,
-                                plan_dtype[keys])
+                                plan_dtype[keys], _contracted_axes(plan))
       out = set_in(out, keys, set_in(
           without(module, (f'{plan.kernel_name}_scale',)),
           (plan.kernel_name,), _lora.boxed_like(boxed, kernel)))
