@@ -161,7 +161,7 @@ def test_hf_gpt2_and_bert_int8():
   want = fn(bert.params, ids)
   got = yax.eval_mox(q.mox, q.params, ids)
   rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-  assert 0 < rel < 1e-2
+  assert 0 < rel < 1e-3
   before, after = q.nbytes
   assert after < before
 
@@ -248,7 +248,7 @@ def test_qlora_on_bert_starts_near_float_and_merges_to_float_params():
   start = yax.eval_mox(res.mox, res.params, ids)
   np.testing.assert_allclose(start, yax.eval_mox(q.mox, q.params, ids),
                              rtol=1e-6, atol=1e-6)
-  assert float(jnp.linalg.norm(start - want) / jnp.linalg.norm(want)) < 1e-2
+  assert float(jnp.linalg.norm(start - want) / jnp.linalg.norm(want)) < 1e-3
   # Train the float adapters only (the int8 base is frozen).
   flat, tree = jax.tree.flatten(res.params)
   flags = jax.tree.leaves(res.mask)
