@@ -33,12 +33,15 @@ def reference(w, fmt, contracted):
     scale = np.where(absmax > 0, absmax, 1.0)
     codes = np.abs((w / scale)[..., None] - NF4).argmin(-1)
     return NF4[codes] * scale
-  top = {'int8': 127.0, 'int4': 7.0, 'fp8': 448.0}[fmt]
+  # int8: the absmax maps to 127.5 and codes span -128 .. 127 (int4: 7.5,
+  # -8 .. 7); the absmax element is the tie 127.5 exactly.
+  top = {'int8': 127.5, 'int4': 7.5, 'fp8': 448.0}[fmt]
   scale = np.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
   if fmt == 'fp8':
     q = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
   else:
-    q = np.clip(np.round(w / scale), -top, top)
+    x = np.where(np.abs(w) == absmax, np.sign(w) * top, w / scale)
+    q = np.clip(np.round(x), -top - 0.5, top - 0.5)
   return q * scale
 
 

@@ -18,8 +18,8 @@ NF4_LEVELS = np.array([
 
 # format -> (storage dtype, the largest stored magnitude, bits)
 FORMATS = {
-    'int8': (jnp.int8, 127.0, 8),
-    'int4': (jnp.int4, 7.0, 4),
+    'int8': (jnp.int8, 127.5, 8),
+    'int4': (jnp.int4, 7.5, 4),
     'fp8': (jnp.float8_e4m3fn, 448.0, 8),
     'nf4': (jnp.uint4, 1.0, 4),
 }
@@ -69,7 +69,13 @@ def quantize_array(w, fmt: str, contracted: tuple, tile: int | None = None):
     return codes.astype(dtype), scale
   if fmt == 'fp8':
     return (w / scale).astype(dtype), scale
-  return jnp.clip(jnp.round(w / scale), -top, top).astype(dtype), scale
+  # The absmax maps to +-(2^(bits-1) - 1/2), so every code of the signed
+  # range [-2^(bits-1), 2^(bits-1) - 1] is used (Qwix's convention: a
+  # finer step than +-127, +-7). The absmax itself is a rounding tie, set
+  # exactly so that it breaks the same way everywhere (-128, and 128
+  # clipped to 127).
+  x = jnp.where(jnp.abs(w) == absmax, jnp.sign(w) * top, w / scale)
+  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5).astype(dtype), scale
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
