@@ -6,7 +6,8 @@ downloads: the model is built from ``BertConfig()`` with random weights).
 Prints, in one run: the first query (including building the XML view), the
 warm median of ``//module_call[@type="Dense"]`` (goal: <= 2 ms) and of
 ``//module_call``, an XPath 2.0 query on elementpath, ``dump_xml`` time and
-size, and ``to_json`` / ``dump_yson`` times.
+size, ``to_json`` / ``dump_yson`` times, and how a query with a
+100,000-character name test scales against a 10,000-character one.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def main(argv: list[str]) -> None:
     print(f'{name:<{width}}  {ms:9.2f}  {note}')
   print(f'ratio XPath 2.0 warm / XPath 1.0 warm: '
         f'{median_ms(lambda: yax.query(xpath2, mox), 3) / warm:.0f}x')
+  # A name test 10x longer should cost about 10x (linear), not 100x.
+  def long_name(n):
+    expr = '//' + 'a' * n + '/' + 'a' * n
+    return median_ms(lambda: yax.query(expr, mox), 3)
+  short, long = long_name(10_000), long_name(100_000)
+  print(f'query with two 100,000-character name tests: {long:.1f} ms; '
+        f'/ 10,000 characters: {long / short:.1f}x (linear: ~10x)')
   del view
 
 
