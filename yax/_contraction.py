@@ -32,7 +32,7 @@ from typing import Any
 import jax.extend.core as jex
 
 from yax import _rules
-from yax._ir import Equation, Literal, Mox, Symbol
+from yax._ir import Literal, Mox, Symbol
 
 CONTRACTIONS = ('dot_general', 'conv_general_dilated')
 # Equations a kernel may pass through on its way to the contraction: they

@@ -381,7 +381,7 @@ def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
   return None, 'computed in the model'
 
 
-def _kernel_holders(mox: Mox) -> dict:
+def kernel_holders(mox: Mox) -> dict:
   """Parameter symbol -> the module calls that hold it as their own
   parameter (several: a module called twice, Embed's lookup and attend, a
   Param tied across NNX modules)."""
@@ -392,11 +392,6 @@ def _kernel_holders(mox: Mox) -> dict:
         if len(keys) == 2:
           holders.setdefault(sym, []).append(node)
   return holders
-
-
-def _reads(node: Mox, sym: Symbol) -> bool:
-  """Whether an equation of ``node``'s body reads ``sym``."""
-  return _contraction.reads(node, sym)
 
 
 def _xpath_string(text: str) -> str:
@@ -572,7 +567,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   keypaths = root_keypaths(mox)
   adapter_places = {kp for kp in keypaths.values()
                     if kp and _is_adapter_name(kp[-1])}
-  holders = _kernel_holders(mox)
+  holders = kernel_holders(mox)
   problems, plans = [], {}
   for node in chosen.targets:
     ancestors = chosen.ancestors[id(node)]
@@ -655,7 +650,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         if id(h) not in inside_node and id(h) not in above
         and not (id(h) in plans and plans[id(h)].place == plan.place
                  and plans[id(h)].names == plan.names)
-        and _reads(h, kernel)]
+        and _contraction.reads(h, kernel)]
     if others:
       plans[id(node)] = dataclasses.replace(plan, tied=(
           'its kernel is also read by ' + ', '.join(sorted(

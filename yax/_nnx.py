@@ -38,6 +38,7 @@ import numpy as np
 from jax import tree_util as jtu
 
 from yax import _containers
+from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -436,8 +437,12 @@ def variable_like(kind: str, value, like, **changes):
     proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
     if eager is not None:
       proto.set_metadata(eager_sharding=eager)
-  except Exception:  # noqa: BLE001 - metadata this type does not take
-    proto = cls(np.zeros((), np.float32))
+  except Exception as e:  # noqa: BLE001 - reported, never dropped
+    # Why not fall back to a bare Variable: the adapter would silently lose
+    # the kernel's sharding and the merged state would not fit the tree.
+    raise YaxError(
+        f'cannot build an nnx.{cls.__name__} with the metadata of its kernel '
+        f'{sorted(meta)} ({type(e).__name__}: {e})') from None
   return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
 
 

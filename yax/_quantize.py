@@ -29,7 +29,7 @@ from yax._formats import (FORMATS, dequantize_array, quantize_array,
                           scale_shape)
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
-from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
+from yax._ir import Equation, Literal, Mox, Symbol, Var
 from yax._sub import (NNX_GROUP, collections_of, describe, non_literals,
                       root_keypaths, select, substitute, var_keys)
 from yax._trace import make_mox
@@ -316,11 +316,13 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   # same table; any other reader must be selected too.
   selected = {id(n) for n in chosen.targets}
   readers = {}  # id -> (reader, plan, kernel index)
+  holders = _lora.kernel_holders(mox)
   for node in chosen.targets:
     if id(node) in equations:
       continue
     kernel = node.var_inputs[plans[id(node)].contraction.kernel_index]
-    for other in _readers(mox, kernel):
+    for other in (h for h in holders.get(kernel, ())
+                  if _contraction.reads(h, kernel)):
       if id(other) in selected or any(
           other is a for a in chosen.ancestors[id(node)]):
         continue
@@ -388,19 +390,3 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                 for n in modules}
   return QuantizeResult(new_mox, new_params, paths,
                         (_nbytes(params), _nbytes(new_params)), dequantize)
-
-
-def _readers(mox: Mox, sym: Symbol) -> list:
-  """Module calls that hold ``sym`` as their own variable and read it."""
-  out = []
-  for node in _iter_calls(mox):
-    for keys, s in zip(var_keys(node), node.var_inputs, strict=True):
-      if s is sym and len(keys) == 2 and _contraction.reads(node, sym):
-        out.append(node)
-        break
-  return out
-
-
-def _iter_calls(mox: Mox):
-  return [n for n in iter_nodes(mox) if isinstance(n, Mox)
-          and not n.is_ephemeral]
