@@ -41,3 +41,28 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on JAX
 # variable into an ``nn.jit`` body) needs the "no sharding given" marker JAX
 # puts in ``in_shardings`` for inputs without one; it has no public name.
 from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402,F401
+
+try:
+  # Why: tracing an NNX model needs, for every module it calls, the variables
+  # reachable from that module. ``nnx.iter_graph`` walks a module's whole
+  # subtree, so asking it once per module costs (model size x depth); the
+  # graph-node protocol's listing of one node's direct children (what
+  # ``iter_graph`` itself uses) lets each node be listed once per trace.
+  # Flax exports it publicly only as ``nnx.iter_children`` in newer releases.
+  from flax.nnx import graph as _nnx_graph
+
+  # Newer Flax wraps a Pytree's attribute values in these when flattening.
+  _ELEMS = tuple(getattr(_nnx_graph, name) for name in ('DataElem', 'StaticElem')
+                 if hasattr(_nnx_graph, name))
+
+  def nnx_node_items(node) -> list:
+    """``[(key, child)]`` of an NNX graph node or pytree, in the order
+    ``nnx.split`` lists them; [] for a leaf or a Variable."""
+    impl = _nnx_graph.get_node_impl(node)
+    if impl is None:
+      return []
+    items, _ = impl.flatten(node)
+    return [(key, value.value if isinstance(value, _ELEMS) else value)
+            for key, value in items]
+except ImportError:  # pragma: no cover - flax without nnx
+  nnx_node_items = None

@@ -40,6 +40,7 @@ from jax import tree_util as jtu
 from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
+from yax._compat import nnx_node_items
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
@@ -224,11 +225,11 @@ def _static_params(module, path) -> dict:
     if value is None or isinstance(value, _SIMPLE):
       params[key] = value
       continue
-    if _is_variable(value) or is_graph_node(value):
+    if _node_kind(type(value)) in (_VARIABLE, _MODULE) or is_graph_node(
+        value):
       continue
-    leaves = jtu.tree_leaves(
-        value, is_leaf=lambda x: _is_variable(x) or is_graph_node(x))
-    if any(_is_variable(x) or is_graph_node(x) or
+    leaves = jtu.tree_leaves(value, is_leaf=_is_graph_object)
+    if any(_is_graph_object(x) or
            isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
            for x in leaves):
       continue
@@ -236,6 +237,50 @@ def _static_params(module, path) -> dict:
   if 'name' not in params:
     params = {'name': path[-1] if path else None, **params}
   return params
+
+
+_LEAF, _VARIABLE, _MODULE, _NODE = range(4)
+
+
+def _is_graph_object(x) -> bool:
+  """A Variable, module or other NNX graph object (``nnx.Rngs``)."""
+  return _node_kind(type(x)) in (_VARIABLE, _MODULE) or is_graph_node(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _node_kind(ty: type) -> int:
+  """What a value of type ``ty`` is in an NNX graph, decided once per type
+  (``isinstance`` against ``nnx.Variable`` goes through a metaclass hook).
+  Types that are not NNX graph nodes count as leaves; the node registry
+  decides, per value, for the rest (``nnx_node_items``)."""
+  if issubclass(ty, nnx.Variable):
+    return _VARIABLE
+  if issubclass(ty, nnx.Module):
+    return _MODULE
+  if ty in (int, float, bool, str, type(None), np.ndarray) or issubclass(
+      ty, (jax.Array, jax.core.Tracer)):
+    return _LEAF
+  return _NODE
+
+
+def graph_nodes(root) -> list:
+  """``[(path, node)]`` for ``root`` and every module, other graph node and
+  Variable under it, each once, at the first path a depth-first walk
+  reaches it with children in the order ``nnx.split`` lists them (so the
+  paths are those of ``nnx.split``'s state and ``nnx.iter_graph``)."""
+  found, visited = [], set()
+  stack = [((), root)]
+  while stack:
+    path, node = stack.pop()
+    kind = _node_kind(type(node))
+    if kind == _LEAF or id(node) in visited:
+      continue
+    visited.add(id(node))
+    found.append((path, node))
+    if kind != _VARIABLE:
+      for key, child in reversed(nnx_node_items(node)):
+        stack.append(((*path, key), child))
+  return found
 
 
 class _Context:
@@ -255,6 +300,7 @@ class _Context:
     self.paths: dict[int, tuple] = {}
     self.taken: set[tuple] = set()
     self.subtrees: dict[int, list] = {}  # id(module) -> see ``subtree``
+    self.walking: set[int] = set()  # modules whose subtree is being listed
     self.params: dict[int, dict] = {}
     self.keep: list = []  # keeps ids valid for the trace's lifetime
     self.stack: list = []  # [(module, method name, path)]
@@ -271,7 +317,7 @@ class _Context:
     merge inside their bodies, so calls on those copies get the right path.
     Only modules this trace created are tagged, never the user's objects.
     """
-    for path, node in nnx.iter_graph(root):
+    for path, node in graph_nodes(root):
       if isinstance(node, nnx.Module) and id(node) not in self.paths:
         full = vars(node).get(_TAG, (*prefix, *_str_path(path)))
         self.paths[id(node)] = full
@@ -307,50 +353,63 @@ class _Context:
   def subtree(self, module) -> list:
     """``[(relative path, Variable, own)]`` for every Variable reachable
     from ``module`` (its own and its submodules'), each once, at its first
-    path as ``nnx.state(module)`` shows it; ``own`` is False for a
-    Variable that lives in a submodule."""
+    path in ``nnx.iter_graph(module)`` order (as ``nnx.state(module)`` shows
+    it); ``own`` is False for a Variable that lives in a submodule.
+
+    Built from the submodules' lists, so each graph node's children are
+    listed once per trace however deep the model is."""
     found = self.subtrees.get(id(module))
     if found is None:
-      items = [(tuple(p), n) for p, n in nnx.iter_graph(module)]
-      modules = {p for p, n in items if isinstance(n, nnx.Module)}
-      found = [(_str_path(p), n,
-                not any(p[:i] in modules for i in range(1, len(p))))
-               for p, n in items if _is_variable(n)]
+      found = []
+      self.walking.add(id(module))
+      try:
+        self._collect(module, (), True, found, set(), {id(module)})
+      finally:
+        self.walking.discard(id(module))
       self.subtrees[id(module)] = found
       self.keep.append(module)
     return found
 
+  def _collect(self, node, path, own, found, seen, visited) -> None:
+    """Appends to ``found`` the Variables under ``node`` not in ``seen``,
+    depth first in the order the graph lists children (the order in which
+    ``nnx.iter_graph`` first reaches them)."""
+    for key, child in nnx_node_items(node):
+      kind = _node_kind(type(child))
+      if kind == _LEAF or (kind != _VARIABLE and id(child) in visited):
+        continue
+      at = (*path, str(key))
+      if kind == _VARIABLE:
+        if id(child) not in seen:
+          seen.add(id(child))
+          found.append((at, child, own))
+      elif kind == _MODULE and id(child) not in self.walking:
+        visited.add(id(child))
+        for rel, var, _ in self.subtree(child):
+          if id(var) not in seen:
+            seen.add(id(var))
+            found.append(((*at, *rel), var, False))
+      else:  # a list, dict or other pytree; or a module on a cycle
+        visited.add(id(child))
+        self._collect(child, at, own and kind != _MODULE, found, seen,
+                      visited)
+
   def variables(self, module) -> tuple[list, Any]:
     """(leaves, treedef) of every variable the module can read (its own
     and its submodules'), typed; the tree builder keeps those its body
-    reads."""
-    nested: dict = {}
-    meta_at: dict[tuple, tuple] = {}
+    reads. Leaves in the order the ``VariableTree`` flattens: sorted paths."""
+    entries = []
     for relpath, var, own in self.subtree(module):
-      node = nested
-      for key in relpath[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-          break
-      else:
-        node[relpath[-1]] = _raw_value(var)
-        meta_at[relpath] = (type(var).__name__,
-                            isinstance(var, nnx.Param), own)
-    flat = jtu.tree_flatten_with_path(VariableTree(nested))[0]
-    leaves, metas = [], []
-    for keypath, leaf in flat:
-      if not is_traced_value(leaf):
-        continue
-      keys = tuple(str(_key(k)) for k in keypath)
-      meta = next((meta_at[keys[:i]] for i in range(len(keys), 0, -1)
-                   if keys[:i] in meta_at), ('', False, True))
-      leaves.append(leaf)
-      metas.append(meta)
-    return leaves, variable_treedef([(tuple(str(_key(k)) for k in kp), m)
-                                     for (kp, leaf), m in zip(
-                                         [f for f in flat
-                                          if is_traced_value(f[1])], metas,
-                                         strict=True)])
+      value = _raw_value(var)
+      if not is_traced_value(value):
+        if jtu.tree_leaves(value) in ([], [value]):
+          continue  # None, a Python number or string: static, not an input
+        return _nested_variables(self.subtree(module))  # a pytree value
+      entries.append((relpath, value, (type(var).__name__,
+                                       isinstance(var, nnx.Param), own)))
+    entries.sort(key=lambda e: e[0])
+    return ([value for _, value, _ in entries],
+            _cached_treedef(tuple((p, m) for p, _, m in entries)))
 
   def call(self, module, name, fn, args, kwargs):
     top = self.stack[-1] if self.stack else None
@@ -390,6 +449,45 @@ def variable_treedef(entries) -> Any:
   tree.kinds = tuple(by_path[p][0] for p in order)
   tree.flags = tuple(by_path[p][1:] for p in order)
   return jtu.tree_structure(tree)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_treedef(entries: tuple) -> Any:
+  """``variable_treedef`` of sorted entries, shared by every trace: a model
+  traced again (or a layer repeated) asks for the same structures."""
+  treedef = variable_treedef(entries)
+  if len(_entries_of) > 8192:
+    _entries_of.clear()
+  _entries_of[treedef] = entries
+  return treedef
+
+
+# treedef -> its entries, for the treedefs ``_cached_treedef`` made (so
+# ``read_only`` can narrow them without flattening a tree).
+_entries_of: dict = {}
+
+
+def _nested_variables(subtree) -> tuple[list, Any]:
+  """``Context.variables`` for Variables whose values are pytrees (a dict,
+  a tuple of arrays): every array leaf under its Variable's path."""
+  nested: dict = {}
+  meta_at: dict[tuple, tuple] = {}
+  for relpath, var, own in subtree:
+    node = nested
+    for key in relpath[:-1]:
+      node = node.setdefault(key, {})
+      if not isinstance(node, dict):
+        break
+    else:
+      node[relpath[-1]] = _raw_value(var)
+      meta_at[relpath] = (type(var).__name__, isinstance(var, nnx.Param), own)
+  flat = [(tuple(str(_key(k)) for k in keypath), leaf) for keypath, leaf
+          in jtu.tree_flatten_with_path(VariableTree(nested))[0]
+          if is_traced_value(leaf)]
+  entries = [(keys, next((meta_at[keys[:i]] for i in range(len(keys), 0, -1)
+                          if keys[:i] in meta_at), ('', False, True)))
+             for keys, _ in flat]
+  return [leaf for _, leaf in flat], variable_treedef(entries)
 
 
 def variable_type(kind: str) -> type:
@@ -465,6 +563,12 @@ def _metadata(var) -> dict:
 
 def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   """An NNX call's variables narrowed to those its body reads."""
+  known = _entries_of.get(var_tree)
+  if known is not None:
+    kept = [(entry, sym) for entry, sym in zip(known, var_inputs, strict=True)
+            if sym in reads]
+    return ([sym for _, sym in kept],
+            _cached_treedef(tuple(entry for entry, _ in kept)))
   tree = jtu.tree_unflatten(var_tree, var_inputs)
   flat = jtu.tree_flatten_with_path(tree)[0]
   entries, leaves = [], []
@@ -494,8 +598,10 @@ def _key(k):
 
 
 def _raw_value(var):
-  """A Variable's value as stored (no ``on_get_value`` hooks, no warning)."""
-  return jtu.tree_leaves(var, is_leaf=lambda x: x is not var)[0]
+  """A Variable's value as stored (no ``on_get_value`` hooks, no warning):
+  ``get_raw_value()`` on newer Flax, the ``raw_value`` slot before it."""
+  get = getattr(var, 'get_raw_value', None)
+  return get() if get is not None else var.raw_value
 
 
 # ------------------------------------------------- root arguments
@@ -687,9 +793,12 @@ class TraceScope:
     before_leaves = {p: jtu.tree_leaves(v) for p, v in before.items()}
     a, k = jtu.tree_unflatten(treedef, leaves)
     out = fn(*a, **k)
-    _, after = nnx.split(copies)
     updates = [dict() for _ in graphs]
-    for path, var in _flat_variables(after).items():
+    # Every Variable of the copies after the call, at its nnx.split path
+    # (created ones included), compared with what went in.
+    for path, var in graph_nodes(copies):
+      if _node_kind(type(var)) != _VARIABLE:
+        continue
       old = before_leaves.get(path)
       new = jtu.tree_leaves(var)
       if old is not None and len(old) == len(new) and all(
