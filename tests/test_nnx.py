@@ -22,6 +22,18 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 # ------------------------------------------------------------- helpers
 
+def value(var):
+  """A Variable's value on every supported Flax (``get_value`` is newer)."""
+  return var.get_value() if hasattr(var, 'get_value') else var.value
+
+
+def set_value(var, new):
+  if hasattr(var, 'set_value'):
+    var.set_value(new)
+  else:  # Flax before get_value/set_value
+    var.value = new
+
+
 def _plain(x):
   """Arrays as NumPy (key arrays by their data), for exact comparison."""
   if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -348,7 +360,7 @@ def test_legacy_sow_becomes_a_state_update():
   mox = check_model(model, X4, twice=False)
   m = nnx.clone(model)
   yax.eval_mox(mox, m, X4)
-  np.testing.assert_allclose(m.hidden.get_value()[0], model.fc1(X4), **TOL)
+  np.testing.assert_allclose(value(m.hidden)[0], model.fc1(X4), **TOL)
 
 
 def test_split_form():
@@ -367,11 +379,15 @@ def test_split_form():
 def test_two_module_arguments_paths_and_updates():
   a, b = Noisy(rngs=rngs(0)), Noisy(rngs=rngs(1))
   fn = lambda a, b, x: a(x) + b(x)
-  mox = yax.make_mox(fn)(a, b, X4)
+  # Not X4: its rows are evenly spaced, so one of b's BatchNorm columns has a
+  # batch variance of 3e-5 (near eps) and rounding differences get amplified
+  # 100-fold (plain nnx.jit and eager calls of the model differ there too).
+  x = jax.random.normal(jax.random.key(7), (3, 4))
+  mox = yax.make_mox(fn)(a, b, x)
   assert {m.path for m in module_calls(mox, 'Linear')} == {('0', 'fc'),
                                                          ('1', 'fc')}
   ra, rb, oa, ob = nnx.clone(a), nnx.clone(b), nnx.clone(a), nnx.clone(b)
-  assert_close(yax.eval_mox(mox, oa, ob, X4), fn(ra, rb, X4))
+  assert_close(yax.eval_mox(mox, oa, ob, x), fn(ra, rb, x))
   assert_same_state(oa, ra)
   assert_same_state(ob, rb)
 
@@ -419,8 +435,8 @@ def test_lora_on_the_split_form():
   assert isinstance(res.params, nnx.State) and isinstance(res.mask, nnx.State)
   assert res.params['fc1']['lora_a'].shape == (4, 2)
   assert res.params['fc2']['lora_b'].shape == (2, 3)
-  assert res.mask['fc1']['lora_a'].get_value() is True
-  assert res.mask['fc1']['kernel'].get_value() is False
+  assert value(res.mask['fc1']['lora_a']) is True
+  assert value(res.mask['fc1']['kernel']) is False
   assert sorted(res.paths) == [('fc1',), ('fc2',)]
   # B = 0 at init: the adapted tree computes what the model does.
   np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, X4),
@@ -429,14 +445,14 @@ def test_lora_on_the_split_form():
   trained = jax.tree.map(lambda v: v, res.params)
   for name in ('fc1', 'fc2'):
     b = trained[name]['lora_b']
-    b.set_value(jnp.full(b.shape, 0.1, b.dtype))
+    set_value(b, jnp.full(b.shape, 0.1, b.dtype))
   got = yax.eval_mox(res.mox, trained, X4)
 
   def expected(x):
     for name, act in (('fc1', nnx.relu), ('fc2', lambda h: h)):
       p = trained[name]
-      x = act(x @ p['kernel'].get_value() + p['bias'].get_value() + 2.0 * (
-          (x @ p['lora_a'].get_value()) @ p['lora_b'].get_value()))
+      x = act(x @ value(p['kernel']) + value(p['bias']) + 2.0 * (
+          (x @ value(p['lora_a'])) @ value(p['lora_b'])))
     return x
   np.testing.assert_allclose(got, expected(X4), **TOL)
   assert not np.allclose(got, fn(state, X4))

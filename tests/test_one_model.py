@@ -221,4 +221,6 @@ def test_merge_keeps_sharding_metadata():
     merged = res.merge(res.params)
   assert jax.tree.structure(merged) == jax.tree.structure(state)
   assert merged['kernel'].get_metadata() == state['kernel'].get_metadata()
-  assert merged['kernel'].get_metadata()['out_sharding'] == ('embed', 'mlp')
+  meta = merged['kernel'].get_metadata()  # the key depends on Flax's version
+  assert meta.get('out_sharding', meta.get('sharding_names')) == ('embed',
+                                                                  'mlp')

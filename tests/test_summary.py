@@ -242,11 +242,12 @@ def test_flop_rules_match_xla(name, f):
   mox = yax.make_mox(f)(x, y)
   lowered = jax.jit(f).lower(x, y)
   # Exact against the unoptimized HLO: these primitives map one to one onto
-  # XLA operations. The compiled figure may only differ by fusion
-  # recomputation (at most 10% more here).
+  # XLA operations. The compiled figure differs by what XLA's optimizer does,
+  # which depends on its version (fusion recomputation adds a few FLOPs;
+  # jaxlib 0.8.0 simplifies softmax to 152 of its 156): within 10% here.
   assert _summary.flops(mox) == _xla(lowered.cost_analysis())
   compiled = _xla(lowered.compile().cost_analysis())
-  assert _summary.flops(mox) <= compiled <= 1.1 * _summary.flops(mox)
+  assert 0.9 * _summary.flops(mox) <= compiled <= 1.1 * _summary.flops(mox)
 
 
 def test_conv_and_scan_flops():

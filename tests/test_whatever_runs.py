@@ -194,9 +194,9 @@ def test_call_straddling_two_traces_is_left_out():
       num_out_leaves=1)
 
   def f(x):
-    (h,) = _markers.enter_p.bind(x, call_id=record, num_vars=0)
+    (h,) = _markers.enter_p.bind(x, call_id=_calls.CallId(record), num_vars=0)
     h = jnp.sin(h)
-    return jax.jit(lambda h: _markers.exit_p.bind(h * 2, call_id=record)[0])(h)
+    return jax.jit(lambda h: _markers.exit_p.bind(h * 2, call_id=_calls.CallId(record))[0])(h)
 
   with pytest.warns(yax.TraceWarning,
                     match="Catching.__call__ at path 'odd'.*two different "

@@ -29,13 +29,13 @@ def is_traced_value(x) -> bool:
       isinstance(x, np.ndarray) and x.dtype == object)
 
 
-@dataclasses.dataclass(eq=False)  # hashed by identity: a marker parameter
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity
 class CallRecord:
   """What the interceptor saw about one module method call.
 
-  The record itself is the ``call_id`` parameter of the call's markers, so a
-  Jaxpr that JAX serves from its cache (traced by an earlier ``make_mox``)
-  carries the descriptions of its module calls with it."""
+  The record rides in the ``call_id`` parameter of the call's markers (see
+  :class:`CallId`), so a Jaxpr that JAX serves from its cache (traced by an
+  earlier ``make_mox``) carries the descriptions of its module calls."""
   module_ty: type
   method: str
   params: dict
@@ -50,6 +50,34 @@ class CallRecord:
   # Set when the call ended in an exception (the model may catch it): the
   # exit marker was never bound, so the builder leaves the call out.
   failed: str | None = None
+
+
+class CallId:
+  """The ``call_id`` parameter of a call's markers: holds its record.
+
+  JAX caches every primitive's abstract evaluation keyed on its parameters.
+  A marker's result types do not depend on which call it marks, so all
+  ``CallId`` s compare equal and hash alike: the cache answers every marker
+  after the first of each type signature, instead of taking one entry per
+  module call and pushing out the entries of the model's own primitives.
+  The tree builder tells calls apart by their ``record`` (by identity),
+  never by comparing ``CallId`` s.
+  """
+
+  __slots__ = ('record',)
+
+  def __init__(self, record: CallRecord):
+    self.record = record
+
+  def __eq__(self, other):
+    return isinstance(other, CallId)
+
+  def __hash__(self):
+    return hash(CallId)
+
+  def __repr__(self):
+    rec = self.record
+    return f"{rec.module_ty.__name__}.{rec.method}@{'/'.join(rec.path)}"
 
 
 class Trace:
@@ -119,7 +147,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
                    if not is_traced_value(x)},
       num_arg_leaves=len(leaves))
   marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=record,
+      *var_leaves, *[leaves[i] for i in dyn], call_id=CallId(record),
       num_vars=len(var_leaves))
   leaves = list(leaves)
   for i, x in zip(dyn, marked, strict=True):
@@ -141,7 +169,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   record.out_statics = {i: x for i, x in enumerate(out_leaves)
                         if not is_traced_value(x)}
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
-                                call_id=record)
+                                call_id=CallId(record))
   for i, x in zip(out_dyn, marked, strict=True):
     out_leaves[i] = x
   return tree_unflatten(out_tree, out_leaves)

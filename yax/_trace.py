@@ -287,14 +287,14 @@ class _Builder:
         n = eqn.params['num_vars']
         for o, s in zip(eqn.outvars, ins[n:], strict=True):
           self.env[o] = s
-        record = eqn.params['call_id']
+        record = eqn.params['call_id'].record
         stack.append(_Frame(record, record, ins[:n],
                             ins[n:], [], len(self.order)))
       elif eqn.primitive is _markers.exit_p:
         outs = [self.read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs, strict=True):
           self.env[o] = s
-        record = eqn.params['call_id']
+        record = eqn.params['call_id'].record
         depth = next((i for i in range(len(stack) - 1, 0, -1)
                       if stack[i].record is record), None)
         if depth is None:  # entered in another JAX trace
