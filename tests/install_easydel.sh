@@ -16,8 +16,8 @@
 #   bash tests/install_easydel.sh .venv-easydel/bin/python
 #   .venv-easydel/bin/python -m pytest -q tests/test_easydel.py
 #
-# Takes about 20 s with a warm pip cache and adds about 1 GB (ray alone is
-# most of it); never PyTorch. Exits non-zero if an install fails, if any
+# Takes about 20 s with a warm pip cache and adds about 330 MB (ray is two
+# thirds of it); never PyTorch. Exits non-zero if an install fails, if any
 # package that was installed before changed its version (transformers and
 # huggingface-hub excepted, by design), or if torch got installed.
 #
