@@ -414,32 +414,18 @@ def test_dropout_state_update(lm):
 
 def _activation_sites(lm):
   """The MLP activations: ``nn.swish`` (silu) is a jitted function (a ``jit``
-  equation named ``silu``, found by XPath; Mixtral's sits inside the
-  ``shard_map`` of its grouped matmul); Gemma 2's tanh GELU is inlined
-  (found by data flow)."""
+  equation named ``silu``, found by XPath); Mixtral's sits inside the
+  ``shard_map`` of its grouped matmul, a body that calls no module, which
+  XPath does not enter and ``yax.match`` does; Gemma 2's tanh GELU is
+  inlined (found by data flow)."""
+  if lm.family == 'mixtral':
+    return yax.match(jax.nn.silu, lm.mox, within=mlp_xpath(lm))
   if lm.spec['act'] == 'silu':
     return yax.query(f'{mlp_xpath(lm)}//*[@name="silu"]', lm.mox)
   return yax.match(GELU_TANH, lm.mox, within=mlp_xpath(lm))
 
 
-# A YAX limitation this file found: the equations of a higher-order
-# primitive's body that holds no module call (`shard_map`, `jit`) are not in
-# the tree (no `Equation.children`), so XPath and `yax.match` cannot find
-# them and `yax.sub` cannot replace them. Strict: fixing it makes this fail
-# until the mark goes.
-MIXTRAL_ACTIVATION_HIDDEN = (
-    'YAX: the expert activation of EasyDeL\'s Mixtral is `jit[name=silu]` '
-    'inside the `shard_map` equation of its grouped matmul (MoE block '
-    '`moe_call`); a sub-Jaxpr holding no module call is not exposed as '
-    '`Equation.children`, so `//*[@name="silu"]` finds 0 sites (of 2) and '
-    '`yax.match(jax.nn.silu, mox)` finds none either; the same for a plain '
-    '`jax.jit` body inside a module')
-
-
-def test_activation_swap_matches_the_patched_model(lm, request):
-  if lm.family == 'mixtral':
-    request.applymarker(pytest.mark.xfail(
-        strict=True, reason=MIXTRAL_ACTIVATION_HIDDEN))
+def test_activation_swap_matches_the_patched_model(lm):
   sites = _activation_sites(lm)
   assert len(sites) == lm.config.num_hidden_layers
   other = {'silu': GELU_TANH, 'gelu_tanh': jax.nn.silu}[lm.spec['act']]

@@ -9,6 +9,7 @@ directly.
 from __future__ import annotations
 
 import io
+from typing import Any
 import json
 
 import flax.linen as nn
@@ -432,6 +433,60 @@ def test_patterns_with_jit_and_custom_jvp_equations():
                               v['params']['Dense_0']['bias'])
                       * nn.silu(x).sum() + jnp.abs(x).sum())
   assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-5
+
+
+class Experts(nn.Module):
+  """A mixture-of-experts style block: the activation runs inside a
+  ``jax.jit``-ed helper or a ``shard_map`` body that calls no module (as in
+  EasyDeL's Mixtral, whose expert silu sits in the shard_map of its grouped
+  matmul)."""
+  wrap: str
+  act: Any = jax.nn.silu
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('w', nn.initializers.normal(1.0), (4, 4))
+
+    def body(x, w):
+      return self.act(x @ w) * 2.0
+
+    if self.wrap == 'jit':
+      body = jax.jit(body)
+    else:
+      mesh = jax.make_mesh((1,), ('x',))
+      spec = jax.sharding.PartitionSpec()
+      body = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
+                           out_specs=spec)
+    return nn.Dense(3)(body(x, w))
+
+
+@pytest.mark.parametrize('wrap', ['jit', 'shard_map'])
+def test_matches_inside_a_body_that_calls_no_module(wrap):
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  v = Experts(wrap).init(jax.random.key(1), x)
+  mox = yax.make_mox(Experts(wrap).apply)(v, x)
+  before = str(mox)
+  (m,) = yax.match(jax.nn.silu, mox)
+  assert m.path == ()  # the body of Experts' own call
+  new = yax.sub([m], yax.trace_like(jax.nn.gelu), mox)
+  yax.check_mox(new)
+  assert str(mox) == before  # the original tree is untouched
+  ref = Experts(wrap, act=jax.nn.gelu).apply
+  assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-5
+  assert max_diff(jax.jit(lambda v, x: yax.eval_mox(new, v, x))(v, x),
+                  ref(v, x)) < 1e-5
+  loss = lambda f: lambda v: f(v, x).sum()
+  assert max_diff(jax.grad(loss(lambda v, x: yax.eval_mox(new, v, x)))(v),
+                  jax.grad(loss(ref))(v)) < 1e-5
+  assert max_diff(yax.eval_mox(mox, v, x), Experts(wrap).apply(v, x)) < 1e-6
+  # Grouped first, then substituted: the same tree; a match on the new
+  # tree finds gelu where silu was.
+  grouped = yax.group(jax.nn.silu, mox, 'act')
+  again = yax.sub('//module_call[@name="act"]', yax.trace_like(jax.nn.gelu),
+                  grouped)
+  assert max_diff(yax.eval_mox(again, v, x), ref(v, x)) < 1e-5
+  assert yax.match(jax.nn.silu, new) == []
+  assert len(yax.match(jax.nn.gelu, new)) == 1
 
 
 def test_multi_output_pattern_and_pattern_constants():

@@ -49,6 +49,7 @@ from jax.extend import core as jex
 
 from yax._errors import PatternError, SubstitutionError, XPathError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
+from yax._trace import opened
 
 __all__ = ['Match', 'match', 'group', 'explain_match', 'trace_like']
 
@@ -130,7 +131,7 @@ class _Index:
             self.consumers.setdefault(sym, []).append((child, i))
         for sym in child.outputs:
           self.producer[sym] = child
-        for inner in child.children:
+        for inner in bodies_of(child):
           self.parent[id(inner)] = child
           visit_body(inner, path)
       for sym in body.outputs:
@@ -182,8 +183,18 @@ def _bodies_under(nodes: Sequence[Mox]) -> list[Mox]:
       if isinstance(child, Mox):
         stack.append(child)
       else:
-        stack.extend(reversed(child.children))
+        stack.extend(reversed(bodies_of(child)))
   return out
+
+
+def bodies_of(eqn: Equation) -> list[Mox]:
+  """The bodies a match may lie in: ``eqn.children``, or for an equation
+  whose Jaxpr parameters call no module (a ``jit``-ed helper, a
+  ``shard_map``), those Jaxprs built as bodies (``_trace.opened``)."""
+  if eqn.children:
+    return eqn.children
+  holder = opened(eqn)
+  return holder.children if holder is not None else []
 
 
 # ------------------------------------------------------- the pattern
@@ -1275,10 +1286,15 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
     for c in body.children:
       if isinstance(c, Mox):
         new = rebuild(c)
-      elif c.children:
-        bodies = [rebuild(b) for b in c.children]
-        same = all(a is b for a, b in zip(bodies, c.children, strict=True))
-        new = c if same else c.replace(children=bodies)
+      elif bodies_of(c):
+        # An equation whose bodies were opened for matching (no children
+        # in the tree) is put in the new tree opened, with its bodies
+        # rewritten, only when something in them changed.
+        holder = c if c.children else opened(c)
+        bodies = [rebuild(b) for b in holder.children]
+        same = all(a is b for a, b in zip(bodies, holder.children,
+                                          strict=True))
+        new = c if same else holder.replace(children=bodies)
         renamed[id(c)] = new
       else:
         new = c

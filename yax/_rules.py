@@ -12,7 +12,8 @@ in every supported JAX release: ``remat2`` is missing from
   outside (new variables of a replacement, its constants) as new inputs of
   the equation.
 
-A primitive with no rule raises ``YaxError`` naming it.
+A primitive with no run rule is run with its bodies lowered as they stand
+(``shard_map`` ...); one with no thread rule raises ``YaxError`` naming it.
 """
 
 from __future__ import annotations
@@ -119,14 +120,17 @@ RUN_RULES: dict[str, RunRule] = {
 }
 
 
+def _lowered(interp, eqn):
+  """Any other primitive (``shard_map`` ...): the bodies lowered as they
+  stand, module calls inlined. Nothing is traced outside the primitive's
+  own context (a ``shard_map`` body may use collectives over its mesh
+  axes); a body must then lower without constants of its own."""
+  del interp
+  return _lower.equation_params(eqn), list(eqn.inputs)
+
+
 def run_rule(eqn: Equation) -> RunRule:
-  rule = RUN_RULES.get(eqn.prim.name)
-  if rule is None:
-    raise YaxError(
-        f'cannot evaluate a {eqn.prim.name!r} equation whose body holds '
-        f'module calls: YAX has no rule for running {eqn.prim.name!r} bodies '
-        f'(it has rules for {", ".join(sorted(RUN_RULES))})')
-  return rule
+  return RUN_RULES.get(eqn.prim.name, _lowered)
 
 
 # ------------------------------------------------------------- threading
@@ -306,6 +310,8 @@ INPUT_RULES: dict[str, Callable[[Equation, int], list]] = {
     'custom_vjp_call': _same_positions,
     **{name: _same_positions for name in (*JIT, *CHECKPOINT)},
     'cond': _cond_positions, 'while': _while_positions,
+    # A shard_map body gets each input's shard, position for position.
+    'shard_map': _same_positions,
 }
 
 

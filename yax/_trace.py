@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -193,6 +194,46 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     return root
 
   return trace
+
+
+# Bodies never opened: a custom derivative rule belongs to the function its
+# body computes, so a rewrite inside would change the value and not the
+# derivative.
+_SEALED = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_lin'})
+
+
+def opened(eqn: Equation) -> Equation | None:
+  """``eqn`` with the Jaxprs in its parameters built into ``children``
+  bodies, as the tree builder does for bodies that call modules; for an
+  equation whose bodies call none (a ``jit``-ed helper, the ``shard_map``
+  of a mixture of experts). None when it holds no such body, or when it
+  is a ``custom_jvp_call``/``custom_vjp_call``.
+
+  The tree keeps ``eqn`` as it is; pattern matching searches the bodies of
+  this equivalent equation, and a rewrite inside them puts it (rewritten)
+  in the new tree. Built once per equation (``eqn`` is immutable)."""
+  if eqn.children or eqn.prim.name in _SEALED:
+    return None
+  found = _OPENED.get(eqn, False)
+  if found is not False:
+    return found
+  bodies = _lower.body_params(eqn.params)
+  result = None
+  if bodies:
+    builder = _Builder()
+    params = dict(eqn.params)
+    for key, _, _ in bodies:
+      params.pop(key[0] if isinstance(key, tuple) else key, None)
+    result = eqn.replace(
+        params=params, children=[builder.subtree(v) for _, v, _ in bodies],
+        body_keys=[k for k, _, _ in bodies],
+        body_forms=[f for _, _, f in bodies])
+  _OPENED[eqn] = result
+  return result
+
+
+_OPENED: 'weakref.WeakKeyDictionary[Equation, Equation | None]' = \
+    weakref.WeakKeyDictionary()
 
 
 def _call_name(rec: CallRecord) -> str:
