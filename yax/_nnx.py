@@ -339,8 +339,16 @@ class _Context:
       while path in self.taken:
         k += 1
         path = ('<closure>', f'{name}_{k}')
-    self.register(module, path, tag=_created_by_trace(module))
+    self.register(module, path, tag=self._created_by_trace(module))
     return self.paths[id(module)]
+
+  def _created_by_trace(self, module) -> bool:
+    """True when every variable of ``module`` holds a tracer: a module
+    merged or built inside the traced function (the split form), not a
+    user's object captured by the function."""
+    values = [_raw_value(var) for _, var, _ in self.subtree(module)]
+    return bool(values) and all(isinstance(x, jax.core.Tracer)
+                                for v in values for x in jtu.tree_leaves(v))
 
   def _path_from_sources(self, module) -> tuple | None:
     for relpath, var, _ in self.subtree(module):
@@ -580,14 +588,6 @@ def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   if not entries:
     return [], jtu.tree_structure(VariableTree())
   return leaves, variable_treedef(entries)
-
-
-def _created_by_trace(module) -> bool:
-  """True when every variable of ``module`` holds a tracer: a module merged
-  or built inside the traced function (the split form), not a user's
-  object captured by the function."""
-  leaves = jtu.tree_leaves(nnx.state(module))
-  return bool(leaves) and all(isinstance(x, jax.core.Tracer) for x in leaves)
 
 
 def _key(k):
