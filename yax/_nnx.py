@@ -269,17 +269,19 @@ def graph_nodes(root) -> list:
   reaches it with children in the order ``nnx.split`` lists them (so the
   paths are those of ``nnx.split``'s state and ``nnx.iter_graph``)."""
   found, visited = [], set()
-  stack = [((), root)]
+  kind = _node_kind(type(root))
+  stack = [] if kind == _LEAF else [((), root, kind)]
   while stack:
-    path, node = stack.pop()
-    kind = _node_kind(type(node))
-    if kind == _LEAF or id(node) in visited:
+    path, node, kind = stack.pop()
+    if id(node) in visited:
       continue
     visited.add(id(node))
     found.append((path, node))
     if kind != _VARIABLE:
       for key, child in reversed(nnx_node_items(node)):
-        stack.append(((*path, key), child))
+        child_kind = _node_kind(type(child))
+        if child_kind != _LEAF:
+          stack.append(((*path, key), child, child_kind))
   return found
 
 
