@@ -362,8 +362,7 @@ def run_yax(case, sel, args) -> Side:
 
 def run_qwix(case, module_path, args) -> Side:
   side = Side()
-  fn, params, inputs, out = (case['fn'], case['params'], case['inputs'],
-                             case['out'])
+  inputs, out = case['inputs'], case['out']
   stage = 'apply'
   try:
     (forward, lora_params, mask, adapters), side.apply_first, \

@@ -38,7 +38,6 @@ os.environ.setdefault('USE_FLAX', '1')
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import yax  # noqa: E402
 

@@ -36,7 +36,6 @@ os.environ.setdefault('USE_FLAX', '1')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import yax  # noqa: E402
 

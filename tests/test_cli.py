@@ -22,9 +22,7 @@ import shutil
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -20,7 +20,7 @@ import pytest
 
 import yax
 from yax import _explorer, _summary
-from yax._ir import Literal, Mox, leaf_equations
+from yax._ir import Literal, leaf_equations
 
 graph_builder = pytest.importorskip(
     'model_explorer.graph_builder',

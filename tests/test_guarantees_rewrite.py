@@ -18,7 +18,6 @@ References are plain Flax modules with hand-written LoRA on the same weights.
 
 import collections
 import os
-import re
 from typing import Mapping
 
 import flax.linen as nn

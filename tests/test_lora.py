@@ -10,7 +10,6 @@ import optax
 import pytest
 
 import yax
-from yax._ir import iter_nodes
 
 os.environ.setdefault('USE_TORCH', '0')
 

@@ -153,7 +153,7 @@ class NnxFailing(nnx.Module):
     self.lin = nnx.Linear(3, 3, rngs=rngs)
 
   def __call__(self, x):
-    y = self.lin(x)
+    self.lin(x)
     raise KeyError('unsupported')
 
 

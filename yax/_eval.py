@@ -19,7 +19,6 @@ from yax import _lower, _nnx, _rules
 from yax._errors import EvaluationError, SignatureError
 from yax._format import safe_getattr, safe_repr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol
-from yax._lower import dynamic, to_jaxpr  # noqa: F401 - re-exported
 
 
 # ---------------------------------------------------------- interpreter

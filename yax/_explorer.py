@@ -36,7 +36,7 @@ import tempfile
 from yax import _summary
 from yax._errors import YaxError
 from yax._format import format_value
-from yax._ir import Equation, Expr, Literal, Mox, Symbol
+from yax._ir import Equation, Expr, Literal, Mox
 
 _MAX_ATTR = 2000  # characters of an attribute value (Jaxprs can be long)
 

@@ -1241,7 +1241,7 @@ def group_matches(mox: Mox, matches: Sequence[Match], name: str):
   Returns ``(new_tree, group_nodes)``, the nodes in the order of
   ``matches``.
   """
-  ix = _check_matches(matches, mox, 'group')
+  _check_matches(matches, mox, 'group')
   by_body: dict[int, list[tuple[int, Match]]] = {}
   for pos, m in enumerate(matches):
     by_body.setdefault(id(m._body), []).append((pos, m))

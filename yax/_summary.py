@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from yax import _flops, _lower
-from yax._eval import dynamic, to_jaxpr
+from yax._lower import dynamic, to_jaxpr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
 
 PARAMS = 'params'
