@@ -36,6 +36,7 @@ os.environ.setdefault('USE_FLAX', '1')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import yax  # noqa: E402
 
@@ -340,6 +341,60 @@ def nnx_section(small: bool, reps: dict) -> None:
           f'{a / b:5.2f}')
   print(f'{"FLOPs equal":<20} | {f_ev:>10.3g} | {f_fn:>10.3g} | '
         f'{"yes" if f_ev == f_fn else "NO"}')
+  tunix_llama_rows(reps)
+
+
+def tunix_llama_rows(reps: dict) -> None:
+  """The same tracing rows on real NNX code: Google's tunix Llama 3 (8
+  layers, width 512, random weights), when tunix is installed (``bash
+  tests/install_real_models.sh``). Its package ``__init__`` imports the
+  whole trainer stack, so only the model module is loaded."""
+  import importlib
+  import importlib.util
+  import types
+
+  import flax
+  from flax import nnx
+
+  from yax import _nnx
+  spec = importlib.util.find_spec('tunix')
+  if spec is None:
+    print('(tunix not installed: no Llama 3 rows)')
+    return
+  if 'tunix' not in sys.modules:
+    package = types.ModuleType('tunix')
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules['tunix'] = package
+  lib = importlib.import_module('tunix.models.llama3.model')
+  flax.config.update('flax_always_shard_variable', False)  # no mesh here
+  config = lib.ModelConfig(
+      num_layers=8, vocab_size=32000, embed_dim=512, hidden_dim=1408,
+      num_heads=8, head_dim=64, num_kv_heads=4, rope_theta=500_000,
+      norm_eps=1e-5, weight_tying=False)
+  model = lib.Llama3(config, rngs=nnx.Rngs(0))
+  tokens = jnp.ones((1, 128), jnp.int32)
+  args = (tokens, jnp.arange(128)[None], None,
+          jnp.tril(jnp.ones((1, 128, 128), bool)))
+
+  def unrecorded():
+    with _nnx._patched_classes():
+      return jax.make_jaxpr(lambda m, *a: m(*a))(model, *args).consts
+
+  plain = lambda: jax.make_jaxpr(lambda m, *a: m(*a))(model, *args).consts  # noqa: E731
+  rows = [('trace (module)', *interleaved(
+      lambda: yax.make_mox(lambda m, *a: m(*a))(model, *args), plain,
+      reps['trace'])),
+          ('(floor, module)', *interleaved(unrecorded, plain,
+                                           reps['trace']))]
+  mox = yax.make_mox(lambda m, *a: m(*a))(model, *args)
+  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+               if isinstance(n, yax.Mox) and not n.is_ephemeral)
+  print(f'\ntunix Llama 3 (8 layers, width 512, tokens (1, 128)): '
+        f'{sum(1 for _ in yax._ir.leaf_equations(mox))} equations, '
+        f'{n_mods} module calls; medians')
+  for metric, a, b in rows:
+    print(f'{metric:<20} | {fmt_time(a):>10} | {fmt_time(b):>10} | '
+          f'{a / b:5.2f}')
 
 
 if __name__ == '__main__':
