@@ -489,6 +489,46 @@ def test_matches_inside_a_body_that_calls_no_module(wrap):
   assert len(yax.match(jax.nn.gelu, new)) == 1
 
 
+class Looping(nn.Module):
+  """An activation inside marker-free ``cond``/``scan``/``while`` bodies or
+  nested ``jax.jit`` helpers."""
+  kind: str
+  act: Any = jnp.tanh
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    act = self.act
+    if self.kind == 'cond':
+      return jax.lax.cond(h.sum() > 0, lambda h: act(h) * 2,
+                          lambda h: act(h) - 1, h)
+    if self.kind == 'scan':
+      return jax.lax.scan(lambda c, _: (act(c) + 0.5, None), h, None,
+                          length=3)[0]
+    if self.kind == 'while':
+      return jax.lax.fori_loop(0, 3, lambda i, c: act(c) * 1.1, h)
+    return jax.jit(lambda h: jax.jit(lambda g: act(g) * 3)(h) + 1)(h)
+
+
+@pytest.mark.parametrize('kind,sites', [('cond', 2), ('scan', 1),
+                                        ('while', 1), ('nested jit', 1)])
+def test_matches_in_marker_free_control_flow_and_nested_jit(kind, sites):
+  x = jax.random.normal(jax.random.key(0), (2, 3))
+  v = Looping(kind).init(jax.random.key(1), x)
+  mox = yax.make_mox(Looping(kind).apply)(v, x)
+  found = yax.match(jnp.tanh, mox)
+  assert len(found) == sites
+  new = yax.sub(found, yax.trace_like(jnp.sin), mox)
+  yax.check_mox(new)
+  ref = Looping(kind, act=jnp.sin).apply
+  assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-6
+  assert max_diff(jax.jit(lambda v, x: yax.eval_mox(new, v, x))(v, x),
+                  ref(v, x)) < 1e-6
+  loss = lambda f: lambda v: f(v, x).sum()
+  assert max_diff(jax.grad(loss(lambda v, x: yax.eval_mox(new, v, x)))(v),
+                  jax.grad(loss(ref))(v)) < 1e-6
+
+
 def test_multi_output_pattern_and_pattern_constants():
   def pattern(x, y):
     return jnp.sin(x) * y, jnp.cos(x)
