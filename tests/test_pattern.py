@@ -435,6 +435,17 @@ def test_patterns_with_jit_and_custom_jvp_equations():
   assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-5
 
 
+def assert_runs_like(mox, ref, v, x, tol):
+  """``mox`` computes what ``ref(v, x)`` does: eagerly, under ``jax.jit``,
+  and in its gradient with respect to ``v``."""
+  assert max_diff(yax.eval_mox(mox, v, x), ref(v, x)) < tol
+  assert max_diff(jax.jit(lambda v, x: yax.eval_mox(mox, v, x))(v, x),
+                  ref(v, x)) < tol
+  loss = lambda f: lambda v: f(v, x).sum()
+  assert max_diff(jax.grad(loss(lambda v, x: yax.eval_mox(mox, v, x)))(v),
+                  jax.grad(loss(ref))(v)) < tol
+
+
 class Experts(nn.Module):
   """A mixture-of-experts style block: the activation runs inside a
   ``jax.jit``-ed helper or a ``shard_map`` body that calls no module (as in
@@ -472,12 +483,7 @@ def test_matches_inside_a_body_that_calls_no_module(wrap):
   yax.check_mox(new)
   assert str(mox) == before  # the original tree is untouched
   ref = Experts(wrap, act=jax.nn.gelu).apply
-  assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-5
-  assert max_diff(jax.jit(lambda v, x: yax.eval_mox(new, v, x))(v, x),
-                  ref(v, x)) < 1e-5
-  loss = lambda f: lambda v: f(v, x).sum()
-  assert max_diff(jax.grad(loss(lambda v, x: yax.eval_mox(new, v, x)))(v),
-                  jax.grad(loss(ref))(v)) < 1e-5
+  assert_runs_like(new, ref, v, x, 1e-5)
   assert max_diff(yax.eval_mox(mox, v, x), Experts(wrap).apply(v, x)) < 1e-6
   # Grouped first, then substituted: the same tree; a match on the new
   # tree finds gelu where silu was.
@@ -521,12 +527,7 @@ def test_matches_in_marker_free_control_flow_and_nested_jit(kind, sites):
   new = yax.sub(found, yax.trace_like(jnp.sin), mox)
   yax.check_mox(new)
   ref = Looping(kind, act=jnp.sin).apply
-  assert max_diff(yax.eval_mox(new, v, x), ref(v, x)) < 1e-6
-  assert max_diff(jax.jit(lambda v, x: yax.eval_mox(new, v, x))(v, x),
-                  ref(v, x)) < 1e-6
-  loss = lambda f: lambda v: f(v, x).sum()
-  assert max_diff(jax.grad(loss(lambda v, x: yax.eval_mox(new, v, x)))(v),
-                  jax.grad(loss(ref))(v)) < 1e-6
+  assert_runs_like(new, ref, v, x, 1e-6)
 
 
 def test_multi_output_pattern_and_pattern_constants():
