@@ -25,8 +25,11 @@ tree_unflatten = jax.tree_util.tree_unflatten
 def is_traced_value(x) -> bool:
   """Inside a module call only arrays and tracers flow through markers;
   Python scalars passed to a module are static (e.g. ``deterministic=True``)."""
-  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) and not (
-      isinstance(x, np.ndarray) and x.dtype == object)
+  if isinstance(x, jax.core.Tracer):  # first: the common case, and cheap
+    return True
+  if isinstance(x, np.ndarray):
+    return x.dtype != object
+  return isinstance(x, jax.Array)
 
 
 @dataclasses.dataclass(eq=False)  # compared and hashed by identity
@@ -139,12 +142,11 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   parameter. Used for Linen calls (the interceptor above) and NNX calls
   (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
   leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
-  dyn = [i for i, x in enumerate(leaves) if is_traced_value(x)]
+  statics = {i: x for i, x in enumerate(leaves) if not is_traced_value(x)}
+  dyn = [i for i in range(len(leaves)) if i not in statics]
   record = CallRecord(
       module_ty=module_ty, method=method, params=params, path=path,
-      var_tree=var_tree, in_tree=in_tree,
-      arg_statics={i: x for i, x in enumerate(leaves)
-                   if not is_traced_value(x)},
+      var_tree=var_tree, in_tree=in_tree, arg_statics=statics,
       num_arg_leaves=len(leaves))
   marked = _markers.enter_p.bind(
       *var_leaves, *[leaves[i] for i in dyn], call_id=CallId(record),
@@ -163,11 +165,12 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     raise
 
   out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
-  out_dyn = [i for i, x in enumerate(out_leaves) if is_traced_value(x)]
+  out_statics = {i: x for i, x in enumerate(out_leaves)
+                 if not is_traced_value(x)}
+  out_dyn = [i for i in range(len(out_leaves)) if i not in out_statics]
   record.out_tree = out_tree
   record.num_out_leaves = len(out_leaves)
-  record.out_statics = {i: x for i, x in enumerate(out_leaves)
-                        if not is_traced_value(x)}
+  record.out_statics = out_statics
   marked = _markers.exit_p.bind(*[out_leaves[i] for i in out_dyn],
                                 call_id=CallId(record))
   for i, x in zip(out_dyn, marked, strict=True):

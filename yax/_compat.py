@@ -12,6 +12,9 @@ future JAX, only printing of ``module_call`` nodes degrades (see
 
 from __future__ import annotations
 
+import functools
+import operator
+
 # Why: a new primitive (the boundary markers of `_markers.py`) needs batching,
 # JVP and lowering rules; `jax.interpreters.{ad,batching,mlir}` hold the rule
 # tables JAX documents for that ("How JAX primitives work"), and `jax.extend`
@@ -54,15 +57,54 @@ try:
   # Newer Flax wraps a Pytree's attribute values in these when flattening.
   _ELEMS = tuple(getattr(_nnx_graph, name) for name in ('DataElem', 'StaticElem')
                  if hasattr(_nnx_graph, name))
+  _STATIC = getattr(_nnx_graph, 'StaticElem', ())  # never a child in a split
+  # Why the module attributes below: Flax's listing of a module's children
+  # wraps every attribute (static ones included) and sorts them through a
+  # generator, a third of YAX's NNX tracing overhead. Flax's own ``Pytree``
+  # keeps which attributes are data in ``_pytree__nodes``; a class that
+  # flattens some other way (or an older Flax) takes Flax's listing.
+  from flax import nnx as _nnx
+  _PYTREE = getattr(_nnx, 'Pytree', None)
+  _PYTREE_FLATTEN = getattr(_PYTREE, '_graph_node_flatten', None)
+  _by_key = operator.itemgetter(0)
+
+  @functools.lru_cache(maxsize=None)
+  def _lists_attributes(ty: type) -> bool:
+    """Whether ``ty`` flattens as Flax's own ``Pytree`` does in Flax >=
+    0.12.1: its data attributes (``_pytree__nodes``), sorted by name."""
+    return (_PYTREE_FLATTEN is not None and
+            getattr(ty, '_graph_node_flatten', None) is _PYTREE_FLATTEN and
+            hasattr(ty, '_pytree__has_int_keys'))
 
   def nnx_node_items(node) -> list:
     """``[(key, child)]`` of an NNX graph node or pytree, in the order
-    ``nnx.split`` lists them; [] for a leaf or a Variable."""
+    ``nnx.split`` lists them; [] for a leaf or a Variable.
+
+    A module is listed straight from its attributes: Flax's own listing
+    wraps every attribute, static ones included, which made listing
+    children a third of YAX's NNX tracing overhead."""
+    if _lists_attributes(type(node)) and not node._pytree__has_int_keys:
+      items = vars(node).items()
+      if node._pytree__is_pytree:
+        data = node._pytree__nodes
+        items = [item for item in items if data.get(item[0], False)]
+      return sorted(items, key=_by_key)
     impl = _nnx_graph.get_node_impl(node)
     if impl is None:
       return []
     items, _ = impl.flatten(node)
     return [(key, value.value if isinstance(value, _ELEMS) else value)
-            for key, value in items]
+            for key, value in items if not isinstance(value, _STATIC)]
+
+  _REGISTRIES = tuple(getattr(_nnx_graph, name, None) for name in (
+      'GRAPH_REGISTRY', 'PYTREE_REGISTRY', 'JAX_PYTREE_REGISTRY'))
+
+  def nnx_is_node_type(ty: type) -> bool:
+    """Whether values of type ``ty`` can have children in an NNX graph (as
+    ``nnx.split`` decides: registered graph nodes, NNX and JAX pytrees).
+    True when this Flax keeps its registries elsewhere."""
+    if any(r is None for r in _REGISTRIES):
+      return True
+    return any(ty in r for r in _REGISTRIES) or issubclass(ty, tuple)
 except ImportError:  # pragma: no cover - flax without nnx
-  nnx_node_items = None
+  nnx_node_items = nnx_is_node_type = None

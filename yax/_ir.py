@@ -36,8 +36,9 @@ class Symbol:
   def __eq__(self, other):
     return self is other
 
-  def __hash__(self):
-    return id(self)
+  # Identity, as ``__eq__``; the C slot rather than a Python method,
+  # since every tree walk and rewrite hashes symbols.
+  __hash__ = object.__hash__
 
   @property
   def type_str(self) -> str:

@@ -72,11 +72,16 @@ def make_closed(jaxpr: jex.Jaxpr, consts: Sequence[Any]):
   return jex.ClosedJaxpr(jaxpr, list(consts))
 
 
+_MAY_HOLD_BODIES = (jex.ClosedJaxpr, jex.Jaxpr, tuple, list)
+
+
 def body_params(params: dict) -> list[tuple[Any, Any, str]]:
   """``(key, value, form)`` for every Jaxpr in ``params``; a key is a param
   name, or ``(name, index)`` for an element of a tuple/list param."""
   out = []
   for key, value in params.items():
+    if not isinstance(value, _MAY_HOLD_BODIES):
+      continue  # most parameters: one type test
     form = jaxpr_form(value)
     if form is not None:
       out.append((key, value, form))

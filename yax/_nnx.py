@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import threading
 from typing import Any
 
@@ -40,7 +41,7 @@ from jax import tree_util as jtu
 from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
-from yax._compat import nnx_node_items
+from yax._compat import nnx_is_node_type, nnx_node_items
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
@@ -54,10 +55,6 @@ _GraphNode = (getattr(nnx, 'Pytree', None) or getattr(nnx, 'Object', None)) \
 def is_graph_node(x) -> bool:
   """NNX modules and other graph objects (``nnx.Rngs``)."""
   return _GraphNode is not None and isinstance(x, _GraphNode)
-
-
-def _is_variable(x) -> bool:
-  return nnx is not None and isinstance(x, nnx.Variable)
 
 
 # ------------------------------------------------------ typed variables
@@ -213,30 +210,31 @@ def _str_path(path) -> tuple[str, ...]:
   return tuple(str(p) for p in path)
 
 
-_SIMPLE = (bool, int, float, str, type, np.dtype)
-
-
 def _static_params(module, path) -> dict:
   """A module's static attributes (no variables, submodules or arrays)."""
   params = {}
   for key, value in vars(module).items():
     if key.startswith('_'):
       continue
-    if value is None or isinstance(value, _SIMPLE):
-      params[key] = value
+    kind = _node_kind(type(value))
+    if kind == _LEAF:
+      if not _is_array_type(type(value)):
+        params[key] = value
       continue
-    if _node_kind(type(value)) in (_VARIABLE, _MODULE) or is_graph_node(
-        value):
-      continue
+    if kind != _NODE or is_graph_node(value):
+      continue  # a Variable, a module or another graph node (nnx.Rngs)
     leaves = jtu.tree_leaves(value, is_leaf=_is_graph_object)
-    if any(_is_graph_object(x) or
-           isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
-           for x in leaves):
+    if any(_is_graph_object(x) or _is_array_type(type(x)) for x in leaves):
       continue
     params[key] = value
   if 'name' not in params:
     params = {'name': path[-1] if path else None, **params}
   return params
+
+
+@functools.lru_cache(maxsize=None)
+def _is_array_type(ty: type) -> bool:
+  return issubclass(ty, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
 _LEAF, _VARIABLE, _MODULE, _NODE = range(4)
@@ -251,23 +249,25 @@ def _is_graph_object(x) -> bool:
 def _node_kind(ty: type) -> int:
   """What a value of type ``ty`` is in an NNX graph, decided once per type
   (``isinstance`` against ``nnx.Variable`` goes through a metaclass hook).
-  Types that are not NNX graph nodes count as leaves; the node registry
-  decides, per value, for the rest (``nnx_node_items``)."""
+  Values of types that NNX never looks into (arrays, numbers, functions,
+  dtypes) are leaves; other graph nodes and pytrees (``nnx.Rngs``, lists,
+  dicts) are nodes."""
   if issubclass(ty, nnx.Variable):
     return _VARIABLE
   if issubclass(ty, nnx.Module):
     return _MODULE
   if ty in (int, float, bool, str, type(None), np.ndarray) or issubclass(
-      ty, (jax.Array, jax.core.Tracer)):
+      ty, (jax.Array, jax.core.Tracer)) or not nnx_is_node_type(ty):
     return _LEAF
   return _NODE
 
 
 def graph_nodes(root) -> list:
-  """``[(path, node)]`` for ``root`` and every module, other graph node and
-  Variable under it, each once, at the first path a depth-first walk
-  reaches it with children in the order ``nnx.split`` lists them (so the
-  paths are those of ``nnx.split``'s state and ``nnx.iter_graph``)."""
+  """``[(path, node, kind)]`` for ``root`` and every module, other graph
+  node and Variable under it, each once, at the first path a depth-first
+  walk reaches it with children in the order ``nnx.split`` lists them (so
+  the paths are those of ``nnx.split``'s state and ``nnx.iter_graph``);
+  ``kind`` is ``_MODULE``, ``_VARIABLE`` or ``_NODE``."""
   found, visited = [], set()
   kind = _node_kind(type(root))
   stack = [] if kind == _LEAF else [((), root, kind)]
@@ -276,7 +276,7 @@ def graph_nodes(root) -> list:
     if id(node) in visited:
       continue
     visited.add(id(node))
-    found.append((path, node))
+    found.append((path, node, kind))
     if kind != _VARIABLE:
       for key, child in reversed(nnx_node_items(node)):
         child_kind = _node_kind(type(child))
@@ -308,7 +308,10 @@ class _Context:
     self.stack: list = []  # [(module, method name, path)]
     # id(traced value) -> path of its Variable among the traced arguments
     # (argument prefix, then the attribute path as ``nnx.state`` shows it).
-    self.sources: dict[int, tuple] = {}
+    self._sources: dict[int, tuple] | None = None
+    # [(path prefix, GraphArgument or nnx.State)] among the traced
+    # arguments (see ``_model_prefixes``), read by ``sources``.
+    self.containers: list = []
 
   def register(self, root, prefix: tuple, tag: bool = False) -> None:
     """Gives every module under ``root`` not seen yet its first path.
@@ -319,14 +322,23 @@ class _Context:
     merge inside their bodies, so calls on those copies get the right path.
     Only modules this trace created are tagged, never the user's objects.
     """
-    for path, node in graph_nodes(root):
-      if isinstance(node, nnx.Module) and id(node) not in self.paths:
-        full = vars(node).get(_TAG, (*prefix, *_str_path(path)))
-        self.paths[id(node)] = full
-        self.taken.add(full)
-        self.keep.append(node)
-        if tag and _TAG not in vars(node):
-          object.__setattr__(node, _TAG, full)
+    for path, node, kind in graph_nodes(root):
+      if kind == _MODULE:
+        self.add(node, prefix, path, tag)
+
+  def add(self, module, prefix: tuple, path: tuple, tag: bool) -> None:
+    """``register`` for one module found at ``path`` under ``prefix``."""
+    if id(module) in self.paths:
+      return
+    attrs = vars(module)
+    full = attrs.get(_TAG)
+    if full is None:
+      full = (*prefix, *_str_path(path))
+    self.paths[id(module)] = full
+    self.taken.add(full)
+    self.keep.append(module)
+    if tag and _TAG not in attrs:
+      object.__setattr__(module, _TAG, full)
 
   def path_of(self, module) -> tuple:
     path = self.paths.get(id(module))
@@ -348,13 +360,31 @@ class _Context:
     """True when every variable of ``module`` holds a tracer: a module
     merged or built inside the traced function (the split form), not a
     user's object captured by the function."""
-    values = [_raw_value(var) for _, var, _ in self.subtree(module)]
-    return bool(values) and all(isinstance(x, jax.core.Tracer)
-                                for v in values for x in jtu.tree_leaves(v))
+    found = self.subtree(module)
+    return bool(found) and all(isinstance(x, jax.core.Tracer)
+                               for _, var, _ in found
+                               for x in _value_leaves(var))
+
+  def sources(self) -> dict[int, tuple]:
+    """id(traced value) -> path of its Variable among the traced arguments
+    (argument prefix, then the attribute path as ``nnx.state`` shows it);
+    built when a module first needs it."""
+    if self._sources is None:
+      self._sources = {}
+      for prefix, container in self.containers:
+        state = container.state if isinstance(container, GraphArgument) \
+            else container
+        for keypath, leaf in jtu.tree_flatten_with_path(state)[0]:
+          keys = [_key(k) for k in keypath]
+          if keys and keys[-1] == 'value':  # the Variable's own value field
+            keys = keys[:-1]
+          self._sources.setdefault(id(leaf), (*prefix, *_str_path(keys)))
+    return self._sources
 
   def _path_from_sources(self, module) -> tuple | None:
+    sources = self.sources()
     for relpath, var, _ in self.subtree(module):
-      src = self.sources.get(id(_raw_value(var)))
+      src = sources.get(id(_raw_value(var)))
       n = len(relpath)
       if src is not None and len(src) >= n and src[len(src) - n:] == relpath:
         return src[:len(src) - n]
@@ -415,9 +445,8 @@ class _Context:
         if jtu.tree_leaves(value) in ([], [value]):
           continue  # None, a Python number or string: static, not an input
         return _nested_variables(self.subtree(module))  # a pytree value
-      entries.append((relpath, value, (type(var).__name__,
-                                       isinstance(var, nnx.Param), own)))
-    entries.sort(key=lambda e: e[0])
+      entries.append((relpath, value, _meta(type(var), own)))
+    entries.sort(key=_first)
     return ([value for _, value, _ in entries],
             _cached_treedef(tuple((p, m) for p, _, m in entries)))
 
@@ -441,6 +470,13 @@ class _Context:
 
 
 _TAG = '_yax_path'
+_first = operator.itemgetter(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _meta(ty: type, own: bool) -> tuple:
+  """``(kind, is_param, own)`` of a Variable of type ``ty``."""
+  return ty.__name__, issubclass(ty, nnx.Param), own
 
 
 def variable_treedef(entries) -> Any:
@@ -490,7 +526,7 @@ def _nested_variables(subtree) -> tuple[list, Any]:
         break
     else:
       node[relpath[-1]] = _raw_value(var)
-      meta_at[relpath] = (type(var).__name__, isinstance(var, nnx.Param), own)
+      meta_at[relpath] = _meta(type(var), own)
   flat = [(tuple(str(_key(k)) for k in keypath), leaf) for keypath, leaf
           in jtu.tree_flatten_with_path(VariableTree(nested))[0]
           if is_traced_value(leaf)]
@@ -720,15 +756,6 @@ def apply_updates(result, args, kwargs):
   return result.output
 
 
-def _flat_variables(state) -> dict:
-  """{path: Variable} of a state."""
-  out = {}
-  for keypath, var in jtu.tree_flatten_with_path(
-      state, is_leaf=_is_variable)[0]:
-    out[tuple(_key(k) for k in keypath)] = var
-  return out
-
-
 class TraceScope:
   """The NNX side of one ``make_mox`` trace.
 
@@ -766,15 +793,7 @@ class TraceScope:
     """Calls ``fn`` on copies of the argument graph nodes (merged from the
     traced state) and returns its result, with state updates if any."""
     ctx = _local.ctx
-    prefixes = _model_prefixes(args, kwargs)
-    for prefix, container in prefixes:
-      state = container.state if isinstance(container, GraphArgument) \
-          else container
-      for keypath, leaf in jtu.tree_flatten_with_path(state)[0]:
-        keys = [_key(k) for k in keypath]
-        if keys and keys[-1] == 'value':  # the Variable's own value field
-          keys = keys[:-1]
-        ctx.sources.setdefault(id(leaf), (*prefix, *_str_path(keys)))
+    ctx.containers = _model_prefixes(args, kwargs)
     if not self.has_nodes:
       return fn(*args, **kwargs)
     leaves, treedef = jtu.tree_flatten(
@@ -783,32 +802,43 @@ class TraceScope:
                  if isinstance(x, GraphArgument)]
     graphs = [leaves[i] for i in positions]
     graphdef = graphs[0].graphdef
-    state = nnx.State({g.index: g.state for g in graphs})
-    copies = nnx.merge(graphdef, state)
+    copies = nnx.merge(graphdef, nnx.State({g.index: g.state for g in graphs}))
     leaves = list(leaves)
     for i, g in zip(positions, graphs, strict=True):
       leaves[i] = copies[g.index]
-    prefix_of = {id(c): p for p, c in prefixes}
-    for g in graphs:
-      ctx.register(copies[g.index], prefix_of[id(g)], tag=True)
-    before = _flat_variables(state)
-    before_leaves = {p: jtu.tree_leaves(v) for p, v in before.items()}
+    prefix_of = {id(c): p for p, c in ctx.containers}
+    prefix_at = {g.index: prefix_of[id(g)] for g in graphs}
+    # One walk of the copies (``nnx.split`` paths, the graph's index first):
+    # every module gets its path, every Variable's value is noted.
+    before = {}
+    for path, node, kind in graph_nodes(copies):
+      if kind == _MODULE and path:
+        ctx.add(node, prefix_at[path[0]], path[1:], tag=True)
+      elif kind == _VARIABLE:
+        before[path] = _value_leaves(node)
     a, k = jtu.tree_unflatten(treedef, leaves)
     out = fn(*a, **k)
     updates = [dict() for _ in graphs]
     # Every Variable of the copies after the call, at its nnx.split path
     # (created ones included), compared with what went in.
-    for path, var in graph_nodes(copies):
-      if _node_kind(type(var)) != _VARIABLE:
+    for path, var, kind in graph_nodes(copies):
+      if kind != _VARIABLE:
         continue
-      old = before_leaves.get(path)
-      new = jtu.tree_leaves(var)
+      old, new = before.get(path), _value_leaves(var)
       if old is not None and len(old) == len(new) and all(
           x is y for x, y in zip(old, new)):
         continue
       updates[path[0]][path[1:]] = var
     states = tuple(_nested_state(u) for u in updates)
     return NnxResult(out, states)
+
+
+def _value_leaves(var) -> tuple:
+  """The arrays a Variable holds (one for most; a pytree value's leaves)."""
+  value = _raw_value(var)
+  if is_traced_value(value):
+    return (value,)
+  return tuple(jtu.tree_leaves(value))
 
 
 def _nested_state(flat: dict):

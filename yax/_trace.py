@@ -438,9 +438,16 @@ class _Builder:
     return reach
 
   def equation(self, eqn) -> Equation:
-    inputs = [self.read(v) for v in eqn.invars]
-    params = dict(eqn.params)
+    env = self.env
+    inputs = [Literal(v.val, v.aval) if isinstance(v, jex.Literal) else env[v]
+              for v in eqn.invars]
     found = _lower.body_params(eqn.params)
+    if not found:  # most equations
+      outputs = [self.bind(v) for v in eqn.outvars]
+      return Equation(eqn.primitive, inputs, outputs, eqn.params,
+                      effects=eqn.effects, source_info=eqn.source_info,
+                      ctx=eqn.ctx)
+    params = dict(eqn.params)
     # A parameter holding a body with module calls moves, whole, into the
     # children (all elements of a tuple parameter such as ``branches``).
     moved = {key[0] if isinstance(key, tuple) else key
