@@ -646,3 +646,43 @@ def test_a_modules_nested_helper_method_call_belongs_to_its_call():
                              rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(fn(res.merge(trained), X4), want, rtol=1e-4,
                              atol=1e-4)
+
+
+class Odd(nnx.Module):
+  """Children in every container NNX knows: a list with int keys, a dict,
+  a tuple, a Variable shared with a submodule, Rngs, static attributes
+  (a dtype, a function, a tuple of ints) and a data list of Variables."""
+
+  def __init__(self, *, rngs):
+    self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(11)])
+    self.table = nnx.Dict({'b': nnx.Linear(3, 2, rngs=rngs),
+                           'a': nnx.LayerNorm(3, rngs=rngs)})
+    self.pair = nnx.data((nnx.Linear(3, 3, rngs=rngs),
+                          nnx.Param(jnp.ones(3))))
+    self.tied = self.layers[0].kernel
+    self.rngs = rngs
+    self.count = nnx.BatchStat(jnp.zeros(()))
+    self.dtype = jnp.float32
+    self.act = jax.nn.relu
+    self.shape = (1, 2)
+
+  def __call__(self, x):
+    return x
+
+
+def test_graph_listing_matches_nnx_split():
+  """YAX lists a module's children from its attributes (not with Flax's
+  own listing): every Variable at the path and in the order of
+  ``nnx.split``, each shared one once, on a model written here and on the
+  bundled Transformer."""
+  from yax import _bundled_nnx
+  from yax._nnx import _VARIABLE, graph_nodes
+  bundled, _ = _bundled_nnx.make()
+  to_flat = getattr(nnx, 'to_flat_state', None) or (lambda s: s.flat_state())
+  for model in (Odd(rngs=rngs()), bundled):
+    _, state = nnx.split(model)
+    expected = [(tuple(path), id(value(var))) for path, var in to_flat(state)]
+    found = [(path, id(value(node))) for path, node, kind in graph_nodes(model)
+             if kind == _VARIABLE]
+    assert len(found) > 20
+    assert found == expected
