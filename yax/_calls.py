@@ -10,6 +10,7 @@ which rides in the markers' ``call_id`` parameter. The tree builder of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any
 
@@ -141,20 +142,27 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   returns its result. The call's record is the markers' ``call_id``
   parameter. Used for Linen calls (the interceptor above) and NNX calls
   (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
-  leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
-  statics = {i: x for i, x in enumerate(leaves) if not is_traced_value(x)}
-  dyn = [i for i in range(len(leaves)) if i not in statics]
-  record = CallRecord(
-      module_ty=module_ty, method=method, params=params, path=path,
-      var_tree=var_tree, in_tree=in_tree, arg_statics=statics,
-      num_arg_leaves=len(leaves))
-  marked = _markers.enter_p.bind(
-      *var_leaves, *[leaves[i] for i in dyn], call_id=CallId(record),
-      num_vars=len(var_leaves))
-  leaves = list(leaves)
-  for i, x in zip(dyn, marked, strict=True):
-    leaves[i] = x
-  args, kwargs = tree_unflatten(in_tree, leaves)
+  if not kwargs and all(isinstance(x, Tracer) for x in args):
+    # Most calls: positional arrays only (no tree to walk).
+    in_tree, statics = _positional_tree(len(args)), {}
+    record = CallRecord(module_ty, method, params, path, var_tree, in_tree,
+                        statics, len(args))
+    args = tuple(_markers.enter_p.bind(*var_leaves, *args,
+                                       call_id=CallId(record),
+                                       num_vars=len(var_leaves)))
+  else:
+    leaves, in_tree = tree_flatten((args, kwargs), is_leaf=is_leaf)
+    statics = {i: x for i, x in enumerate(leaves) if not is_traced_value(x)}
+    dyn = [i for i in range(len(leaves)) if i not in statics]
+    record = CallRecord(module_ty, method, params, path, var_tree, in_tree,
+                        statics, len(leaves))
+    marked = _markers.enter_p.bind(
+        *var_leaves, *[leaves[i] for i in dyn], call_id=CallId(record),
+        num_vars=len(var_leaves))
+    leaves = list(leaves)
+    for i, x in zip(dyn, marked, strict=True):
+      leaves[i] = x
+    args, kwargs = tree_unflatten(in_tree, leaves)
 
   try:
     out = call(*args, **kwargs)
@@ -164,6 +172,10 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     record.failed = type(e).__name__
     raise
 
+  if isinstance(out, Tracer):  # most calls: one array
+    record.out_tree, record.num_out_leaves = _LEAF_TREE, 1
+    out, = _markers.exit_p.bind(out, call_id=CallId(record))
+    return out
   out_leaves, out_tree = tree_flatten(out, is_leaf=is_leaf)
   out_statics = {i: x for i, x in enumerate(out_leaves)
                  if not is_traced_value(x)}
@@ -176,3 +188,14 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   for i, x in zip(out_dyn, marked, strict=True):
     out_leaves[i] = x
   return tree_unflatten(out_tree, out_leaves)
+
+
+Tracer = jax.core.Tracer
+_LEAF_TREE = jax.tree_util.tree_structure(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _positional_tree(n: int):
+  """The treedef of ``(args, kwargs)`` for ``n`` array arguments and no
+  keyword arguments."""
+  return jax.tree_util.tree_structure(((0,) * n, {}))

@@ -164,6 +164,25 @@ class Equation(Expr):
     self.source_info = source_info
     self.ctx = ctx
 
+  @classmethod
+  def _taking(cls, prim, inputs: list, outputs: list, params: dict, effects,
+              source_info, ctx) -> 'Equation':
+    """An equation without bodies that takes ``inputs`` and ``outputs``
+    as they are (lists the caller made for it and never touches again):
+    the tree builder's constructor, one per traced equation."""
+    new = object.__new__(cls)
+    new.inputs = inputs
+    new.outputs = outputs
+    new.params = dict(params)
+    new.prim = prim
+    new.children = []
+    new.body_keys = []
+    new.body_forms = []
+    new.effects = effects
+    new.source_info = source_info
+    new.ctx = ctx
+    return new
+
   @property
   def name(self) -> str | None:
     """The function name JAX shows for this equation, if any.

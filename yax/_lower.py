@@ -72,7 +72,8 @@ def make_closed(jaxpr: jex.Jaxpr, consts: Sequence[Any]):
   return jex.ClosedJaxpr(jaxpr, list(consts))
 
 
-_MAY_HOLD_BODIES = (jex.ClosedJaxpr, jex.Jaxpr, tuple, list)
+_JAXPRS = (jex.ClosedJaxpr, jex.Jaxpr)
+_MAY_HOLD_BODIES = (*_JAXPRS, tuple, list)
 
 
 def body_params(params: dict) -> list[tuple[Any, Any, str]]:
@@ -85,11 +86,10 @@ def body_params(params: dict) -> list[tuple[Any, Any, str]]:
     form = jaxpr_form(value)
     if form is not None:
       out.append((key, value, form))
-    elif isinstance(value, (tuple, list)):
+    else:  # a tuple or list
       for i, item in enumerate(value):
-        form = jaxpr_form(item)
-        if form is not None:
-          out.append(((key, i), item, form))
+        if isinstance(item, _JAXPRS):
+          out.append(((key, i), item, jaxpr_form(item)))
   return out
 
 

@@ -374,11 +374,9 @@ class _Context:
       for prefix, container in self.containers:
         state = container.state if isinstance(container, GraphArgument) \
             else container
-        for keypath, leaf in jtu.tree_flatten_with_path(state)[0]:
-          keys = [_key(k) for k in keypath]
-          if keys and keys[-1] == 'value':  # the Variable's own value field
-            keys = keys[:-1]
-          self._sources.setdefault(id(leaf), (*prefix, *_str_path(keys)))
+        leaves, treedef = jtu.tree_flatten(state)
+        for leaf, path in zip(leaves, _leaf_paths(treedef), strict=True):
+          self._sources.setdefault(id(leaf), (*prefix, *path))
     return self._sources
 
   def _path_from_sources(self, module) -> tuple | None:
@@ -635,11 +633,11 @@ def _key(k):
   return k
 
 
-def _raw_value(var):
-  """A Variable's value as stored (no ``on_get_value`` hooks, no warning):
-  ``get_raw_value()`` on newer Flax, the ``raw_value`` slot before it."""
-  get = getattr(var, 'get_raw_value', None)
-  return get() if get is not None else var.raw_value
+# A Variable's value as stored (no ``on_get_value`` hooks, no warning):
+# ``get_raw_value()`` on newer Flax, the ``raw_value`` slot before it.
+_raw_value = (operator.methodcaller('get_raw_value')
+              if hasattr(getattr(nnx, 'Variable', None), 'get_raw_value')
+              else operator.attrgetter('raw_value'))
 
 
 # ------------------------------------------------- root arguments
@@ -831,6 +829,20 @@ class TraceScope:
       updates[path[0]][path[1:]] = var
     states = tuple(_nested_state(u) for u in updates)
     return NnxResult(out, states)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_paths(treedef) -> tuple:
+  """The attribute path of each leaf of a state with structure ``treedef``
+  (as ``nnx.state`` shows it), computed once per structure."""
+  paths = []
+  for keypath, _ in jtu.tree_flatten_with_path(
+      jtu.tree_unflatten(treedef, [0] * treedef.num_leaves))[0]:
+    keys = [_key(k) for k in keypath]
+    if keys and keys[-1] == 'value':  # the Variable's own value field
+      keys = keys[:-1]
+    paths.append(_str_path(keys))
+  return tuple(paths)
 
 
 def _value_leaves(var) -> tuple:

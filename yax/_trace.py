@@ -322,8 +322,10 @@ class _Builder:
   def build_body(self, jaxpr) -> list:
     root = _Frame(None, None, [], [], [])
     stack = [root]
+    enter_p, exit_p, equation = _markers.enter_p, _markers.exit_p, \
+        self.equation
     for eqn in jaxpr.eqns:
-      if eqn.primitive is _markers.enter_p:
+      if eqn.primitive is enter_p:
         ins = [self.read(v) for v in eqn.invars]
         n = eqn.params['num_vars']
         for o, s in zip(eqn.outvars, ins[n:], strict=True):
@@ -331,7 +333,7 @@ class _Builder:
         record = eqn.params['call_id'].record
         stack.append(_Frame(record, record, ins[:n],
                             ins[n:], [], len(self.order)))
-      elif eqn.primitive is _markers.exit_p:
+      elif eqn.primitive is exit_p:
         outs = [self.read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs, strict=True):
           self.env[o] = s
@@ -346,7 +348,7 @@ class _Builder:
         frame = stack.pop()
         stack[-1].children.append(self._module_call(frame, outs))
       else:
-        stack[-1].children.append(self.equation(eqn))
+        stack[-1].children.append(equation(eqn))
     while len(stack) > 1:  # no exit here: an exception, or another trace
       self.dissolve(stack)
     return root.children
@@ -443,10 +445,9 @@ class _Builder:
               for v in eqn.invars]
     found = _lower.body_params(eqn.params)
     if not found:  # most equations
-      outputs = [self.bind(v) for v in eqn.outvars]
-      return Equation(eqn.primitive, inputs, outputs, eqn.params,
-                      effects=eqn.effects, source_info=eqn.source_info,
-                      ctx=eqn.ctx)
+      return Equation._taking(eqn.primitive, inputs,
+                              [self.bind(v) for v in eqn.outvars], eqn.params,
+                              eqn.effects, eqn.source_info, eqn.ctx)
     params = dict(eqn.params)
     # A parameter holding a body with module calls moves, whole, into the
     # children (all elements of a tuple parameter such as ``branches``).
