@@ -461,7 +461,7 @@ class _Context:
     self.stack.append((module, name, path))
     try:
       return marked_call(type(module), name, params, path, var_leaves,
-                         var_tree, lambda *a, **k: fn(module, *a, **k),
+                         var_tree, functools.partial(fn, module),
                          args, kwargs, is_leaf=is_graph_node)
     finally:
       self.stack.pop()
