@@ -6,6 +6,7 @@ the call (RNG counts, batch statistics), eagerly, under ``jax.jit`` and
 under ``nnx.jit``; and checks that tracing leaves the model bit-identical.
 """
 
+import functools
 import io
 import threading
 
@@ -686,3 +687,32 @@ def test_graph_listing_matches_nnx_split():
              if kind == _VARIABLE]
     assert len(found) > 20
     assert found == expected
+
+
+class CachesATable(nnx.Module):
+  """Caches a Variable the way EasyDeL caches its RoPE table: a
+  ``functools.cached_property`` writes the instance dict directly, so the
+  attribute is not one of the module's data attributes."""
+
+  def __init__(self, *, rngs):
+    self.linear = nnx.Linear(3, 3, rngs=rngs)
+
+  @functools.cached_property
+  def table(self):
+    return nnx.Variable(jnp.arange(3.0))
+
+  def __call__(self, x):
+    return self.linear(x) + self.table[...]
+
+
+def test_a_variable_cached_during_the_call_is_a_state_update():
+  x = jnp.ones((2, 3))
+  model = CachesATable(rngs=rngs())
+  mox = yax.make_mox(lambda m, x: m(x))(model, x)
+  assert 'table' not in vars(model)  # tracing leaves the model alone
+  own, replayed = CachesATable(rngs=rngs()), CachesATable(rngs=rngs())
+  want = own(x)
+  np.testing.assert_allclose(yax.eval_mox(mox, replayed, x), want, **TOL)
+  assert 'table' in vars(replayed)
+  np.testing.assert_array_equal(vars(replayed)['table'][...],
+                                vars(own)['table'][...])

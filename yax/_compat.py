@@ -57,12 +57,13 @@ try:
   # Newer Flax wraps a Pytree's attribute values in these when flattening.
   _ELEMS = tuple(getattr(_nnx_graph, name) for name in ('DataElem', 'StaticElem')
                  if hasattr(_nnx_graph, name))
-  _STATIC = getattr(_nnx_graph, 'StaticElem', ())  # never a child in a split
-  # Why the module attributes below: Flax's listing of a module's children
-  # wraps every attribute (static ones included) and sorts them through a
-  # generator, a third of YAX's NNX tracing overhead. Flax's own ``Pytree``
-  # keeps which attributes are data in ``_pytree__nodes``; a class that
-  # flattens some other way (or an older Flax) takes Flax's listing.
+  # Why the class attributes below: Flax's listing of a module's children
+  # wraps every attribute and sorts them through a generator, a third of
+  # YAX's NNX tracing overhead. A class that flattens as Flax's own
+  # ``Pytree`` does (its attributes sorted by name; ``_pytree__has_int_keys``
+  # marks the int-keyed ones, such as ``nnx.List``, which take Flax's
+  # listing) is listed from its attribute dict; any other class, or an older
+  # Flax, takes Flax's listing.
   from flax import nnx as _nnx
   _PYTREE = getattr(_nnx, 'Pytree', None)
   _PYTREE_FLATTEN = getattr(_PYTREE, '_graph_node_flatten', None)
@@ -71,7 +72,7 @@ try:
   @functools.lru_cache(maxsize=None)
   def _lists_attributes(ty: type) -> bool:
     """Whether ``ty`` flattens as Flax's own ``Pytree`` does in Flax >=
-    0.12.1: its data attributes (``_pytree__nodes``), sorted by name."""
+    0.12.1: its attributes, sorted by name."""
     return (_PYTREE_FLATTEN is not None and
             getattr(ty, '_graph_node_flatten', None) is _PYTREE_FLATTEN and
             hasattr(ty, '_pytree__has_int_keys'))
@@ -80,21 +81,20 @@ try:
     """``[(key, child)]`` of an NNX graph node or pytree, in the order
     ``nnx.split`` lists them; [] for a leaf or a Variable.
 
-    A module is listed straight from its attributes: Flax's own listing
-    wraps every attribute, static ones included, which made listing
+    Static attributes are listed too: a Variable that a model caches in
+    one during a call (``functools.cached_property`` writes the instance
+    dict directly, as EasyDeL's RoPE table does) is a state update, as
+    when the model is called. A module is listed straight from its
+    attributes: Flax's own listing wraps each one, which made listing
     children a third of YAX's NNX tracing overhead."""
     if _lists_attributes(type(node)) and not node._pytree__has_int_keys:
-      items = vars(node).items()
-      if node._pytree__is_pytree:
-        data = node._pytree__nodes
-        items = [item for item in items if data.get(item[0], False)]
-      return sorted(items, key=_by_key)
+      return sorted(vars(node).items(), key=_by_key)
     impl = _nnx_graph.get_node_impl(node)
     if impl is None:
       return []
     items, _ = impl.flatten(node)
     return [(key, value.value if isinstance(value, _ELEMS) else value)
-            for key, value in items if not isinstance(value, _STATIC)]
+            for key, value in items]
 
   _REGISTRIES = tuple(getattr(_nnx_graph, name, None) for name in (
       'GRAPH_REGISTRY', 'PYTREE_REGISTRY', 'JAX_PYTREE_REGISTRY'))
