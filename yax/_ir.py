@@ -57,7 +57,7 @@ class Var(Symbol):
   __slots__ = ('dropped',)
 
   def __init__(self, aval, dropped: bool = False):
-    super().__init__(aval)
+    self.aval = aval  # (Symbol.__init__, inlined: one per traced value)
     self.dropped = dropped
 
   def __repr__(self):

@@ -439,7 +439,7 @@ class _Context:
     entries = []
     for relpath, var, own in self.subtree(module):
       value = _raw_value(var)
-      if not is_traced_value(value):
+      if not isinstance(value, Tracer) and not is_traced_value(value):
         if jtu.tree_leaves(value) in ([], [value]):
           continue  # None, a Python number or string: static, not an input
         return _nested_variables(self.subtree(module))  # a pytree value
@@ -469,6 +469,7 @@ class _Context:
 
 _TAG = '_yax_path'
 _first = operator.itemgetter(0)
+Tracer = jax.core.Tracer
 
 
 @functools.lru_cache(maxsize=None)
@@ -713,31 +714,30 @@ if nnx is not None:
   _containers.register_mapping(nnx.State, _state_from_items)
 
 
-def _split_arguments(args, kwargs):
-  """(args, kwargs) with graph nodes replaced by ``GraphArgument`` s, the
-  nodes in order, and their key paths; ``None`` when there are none."""
+def _split_arguments(args, kwargs) -> tuple[list, Any, bool]:
+  """``(leaves, treedef, has_nodes)`` of ``(args, kwargs)`` with the NNX
+  graph nodes among them split together as ``nnx.split`` does (a shared
+  module or variable is one leaf), each replaced by a ``GraphArgument``."""
   if _GraphNode is None:
-    return None
+    return (*jtu.tree_flatten((args, kwargs)), False)
   leaves, treedef = jtu.tree_flatten((args, kwargs), is_leaf=is_graph_node)
   positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
   if not positions:
-    return None
-  nodes = [leaves[i] for i in positions]
-  graphdef, state = nnx.split(tuple(nodes))
+    # No graph node stopped the flatten: these are the plain leaves.
+    return leaves, treedef, False
+  graphdef, state = nnx.split(tuple(leaves[i] for i in positions))
   leaves = list(leaves)
   for k, i in enumerate(positions):
     sub = state[k] if k in state else nnx.State({})
     leaves[i] = GraphArgument(graphdef, k, sub)
-  return jtu.tree_unflatten(treedef, leaves), nodes, positions, treedef
+  return (*jtu.tree_flatten(jtu.tree_unflatten(treedef, leaves)), True)
 
 
 def flatten_arguments(args, kwargs):
   """``tree_flatten((args, kwargs))`` for ``eval_mox``, with NNX graph nodes
   split as when tracing."""
-  split = _split_arguments(args, kwargs)
-  if split is None:
-    return jtu.tree_flatten((args, kwargs))
-  return jtu.tree_flatten(split[0])
+  leaves, treedef, _ = _split_arguments(args, kwargs)
+  return leaves, treedef
 
 
 def apply_updates(result, args, kwargs):
@@ -764,10 +764,7 @@ class TraceScope:
   """
 
   def __init__(self, args, kwargs):
-    split = None if nnx is None else _split_arguments(args, kwargs)
-    self.has_nodes = split is not None
-    tree = (args, kwargs) if split is None else split[0]
-    self.leaves, self.in_tree = jtu.tree_flatten(tree)
+    self.leaves, self.in_tree, self.has_nodes = _split_arguments(args, kwargs)
     self._saved = None
     self._patch = None
 
