@@ -96,6 +96,10 @@ try:
     return [(key, value.value if isinstance(value, _ELEMS) else value)
             for key, value in items]
 
+  # Why the registries: whether NNX looks into a value depends only on its
+  # type (``get_node_impl`` reads these three tables), so YAX decides it
+  # once per type instead of per value; Flax asks only with a value. (A type
+  # is registered when it is defined, before any value of it is traced.)
   _REGISTRIES = tuple(getattr(_nnx_graph, name, None) for name in (
       'GRAPH_REGISTRY', 'PYTREE_REGISTRY', 'JAX_PYTREE_REGISTRY'))
 
