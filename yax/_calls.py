@@ -142,7 +142,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   returns its result. The call's record is the markers' ``call_id``
   parameter. Used for Linen calls (the interceptor above) and NNX calls
   (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
-  if not kwargs and all(isinstance(x, Tracer) for x in args):
+  if not kwargs and all(isinstance(x, jax.core.Tracer) for x in args):
     # Most calls: positional arrays only (no tree to walk).
     in_tree, statics = _positional_tree(len(args)), {}
     record = CallRecord(module_ty, method, params, path, var_tree, in_tree,
@@ -172,7 +172,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     record.failed = type(e).__name__
     raise
 
-  if isinstance(out, Tracer):  # most calls: one array
+  if isinstance(out, jax.core.Tracer):  # most calls: one array
     record.out_tree, record.num_out_leaves = _LEAF_TREE, 1
     out, = _markers.exit_p.bind(out, call_id=CallId(record))
     return out
@@ -190,7 +190,6 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   return tree_unflatten(out_tree, out_leaves)
 
 
-Tracer = jax.core.Tracer
 _LEAF_TREE = jax.tree_util.tree_structure(0)
 
 

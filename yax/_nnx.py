@@ -439,7 +439,7 @@ class _Context:
     entries = []
     for relpath, var, own in self.subtree(module):
       value = _raw_value(var)
-      if not isinstance(value, Tracer) and not is_traced_value(value):
+      if not is_traced_value(value):
         if jtu.tree_leaves(value) in ([], [value]):
           continue  # None, a Python number or string: static, not an input
         return _nested_variables(self.subtree(module))  # a pytree value
@@ -469,7 +469,6 @@ class _Context:
 
 _TAG = '_yax_path'
 _first = operator.itemgetter(0)
-Tracer = jax.core.Tracer
 
 
 @functools.lru_cache(maxsize=None)

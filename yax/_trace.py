@@ -440,9 +440,8 @@ class _Builder:
     return reach
 
   def equation(self, eqn) -> Equation:
-    env = self.env
-    inputs = [Literal(v.val, v.aval) if isinstance(v, jex.Literal) else env[v]
-              for v in eqn.invars]
+    read = self.read
+    inputs = [read(v) for v in eqn.invars]
     found = _lower.body_params(eqn.params)
     if not found:  # most equations
       return Equation._taking(eqn.primitive, inputs,
