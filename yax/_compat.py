@@ -68,6 +68,12 @@ try:
   _PYTREE = getattr(_nnx, 'Pytree', None)
   _PYTREE_FLATTEN = getattr(_PYTREE, '_graph_node_flatten', None)
   _by_key = operator.itemgetter(0)
+  # Why: every Flax Pytree (each module) holds a ``PytreeState``, Flax's own
+  # bookkeeping, which ``nnx.split`` lists as a child with nothing in it;
+  # asking Flax to list it costs as much as listing a module.
+  _HOLDS_NOTHING = tuple(
+      t for t in (getattr(getattr(_nnx, 'pytreelib', None), 'PytreeState',
+                          None),) if isinstance(t, type))
 
   @functools.lru_cache(maxsize=None)
   def _lists_attributes(ty: type) -> bool:
@@ -87,8 +93,11 @@ try:
     when the model is called. A module is listed straight from its
     attributes: Flax's own listing wraps each one, which made listing
     children a third of YAX's NNX tracing overhead."""
-    if _lists_attributes(type(node)) and not node._pytree__has_int_keys:
+    ty = type(node)
+    if _lists_attributes(ty) and not node._pytree__has_int_keys:
       return sorted(vars(node).items(), key=_by_key)
+    if ty is tuple or ty is list:  # Flax lists their items by position
+      return list(enumerate(node))
     impl = _nnx_graph.get_node_impl(node)
     if impl is None:
       return []
@@ -107,6 +116,8 @@ try:
     """Whether values of type ``ty`` can have children in an NNX graph (as
     ``nnx.split`` decides: registered graph nodes, NNX and JAX pytrees).
     True when this Flax keeps its registries elsewhere."""
+    if ty in _HOLDS_NOTHING:
+      return False
     if any(r is None for r in _REGISTRIES):
       return True
     return any(ty in r for r in _REGISTRIES) or issubclass(ty, tuple)

@@ -302,6 +302,9 @@ class _Context:
     self.paths: dict[int, tuple] = {}
     self.taken: set[tuple] = set()
     self.subtrees: dict[int, list] = {}  # id(module) -> see ``subtree``
+    # id(module) -> [(relative path, module)]: the module and every module
+    # under it, each at its first path (listed with ``subtrees``).
+    self.submodules: dict[int, list] = {}
     self.walking: set[int] = set()  # modules whose subtree is being listed
     self.params: dict[int, dict] = {}
     self.keep: list = []  # keeps ids valid for the trace's lifetime
@@ -321,10 +324,13 @@ class _Context:
     ``nnx.remat``, ``nnx.jit``) carry static attributes into the copies they
     merge inside their bodies, so calls on those copies get the right path.
     Only modules this trace created are tagged, never the user's objects.
+
+    The modules come from the walk that lists ``root``'s variables
+    (``subtree``), so the graph is walked once for both.
     """
-    for path, node, kind in graph_nodes(root):
-      if kind == _MODULE:
-        self.add(node, prefix, path, tag)
+    self.subtree(root)
+    for path, node in self.submodules[id(root)]:
+      self.add(node, prefix, path, tag)
 
   def add(self, module, prefix: tuple, path: tuple, tag: bool) -> None:
     """``register`` for one module found at ``path`` under ``prefix``."""
@@ -398,20 +404,23 @@ class _Context:
     listed once per trace however deep the model is."""
     found = self.subtrees.get(id(module))
     if found is None:
-      found = []
+      found, modules = [], [((), module)]
       self.walking.add(id(module))
       try:
-        self._collect(module, (), True, found, set(), {id(module)})
+        self._collect(module, (), True, found, set(), modules,
+                      {id(module)})
       finally:
         self.walking.discard(id(module))
       self.subtrees[id(module)] = found
+      self.submodules[id(module)] = modules
       self.keep.append(module)
     return found
 
-  def _collect(self, node, path, own, found, seen, visited) -> None:
+  def _collect(self, node, path, own, found, seen, modules, visited) -> None:
     """Appends to ``found`` the Variables under ``node`` not in ``seen``,
-    depth first in the order the graph lists children (the order in which
-    ``nnx.iter_graph`` first reaches them)."""
+    and to ``modules`` the modules not in ``visited``, depth first in the
+    order the graph lists children (the order in which ``nnx.iter_graph``
+    first reaches them)."""
     for key, child in nnx_node_items(node):
       kind = _node_kind(type(child))
       if kind == _LEAF or (kind != _VARIABLE and id(child) in visited):
@@ -422,15 +431,20 @@ class _Context:
           seen.add(id(child))
           found.append((at, child, own))
       elif kind == _MODULE and id(child) not in self.walking:
-        visited.add(id(child))
         for rel, var, _ in self.subtree(child):
           if id(var) not in seen:
             seen.add(id(var))
             found.append(((*at, *rel), var, False))
+        for rel, sub in self.submodules[id(child)]:
+          if id(sub) not in visited:
+            visited.add(id(sub))
+            modules.append(((*at, *rel), sub))
       else:  # a list, dict or other pytree; or a module on a cycle
         visited.add(id(child))
+        # A module on a cycle is an ancestor: the modules under it are
+        # placed from where the walk first reached it, not through here.
         self._collect(child, at, own and kind != _MODULE, found, seen,
-                      visited)
+                      modules if kind != _MODULE else [], visited)
 
   def variables(self, module) -> tuple[list, Any]:
     """(leaves, treedef) of every variable the module can read (its own
