@@ -214,22 +214,41 @@ def _static_params(module, path) -> dict:
   """A module's static attributes (no variables, submodules or arrays)."""
   params = {}
   for key, value in vars(module).items():
-    if key.startswith('_'):
+    if key[0] == '_':
       continue
-    kind = _node_kind(type(value))
-    if kind == _LEAF:
-      if not _is_array_type(type(value)):
-        params[key] = value
-      continue
-    if kind != _NODE or is_graph_node(value):
-      continue  # a Variable, a module or another graph node (nnx.Rngs)
-    leaves = jtu.tree_leaves(value, is_leaf=_is_graph_object)
-    if any(_is_graph_object(x) or _is_array_type(type(x)) for x in leaves):
-      continue
-    params[key] = value
+    kind = _param_kind(type(value))
+    if kind == _STATIC or (kind == _NODE and _is_static_tree(value)):
+      params[key] = value
   if 'name' not in params:
     params = {'name': path[-1] if path else None, **params}
   return params
+
+
+def _is_static_tree(value) -> bool:
+  """A pytree (a tuple of ints, a dict of options) that holds no array,
+  Variable, module or other graph node."""
+  if type(value) is tuple:  # the common case: a shape or axes
+    kinds = {_param_kind(type(x)) for x in value}
+    if kinds <= {_STATIC}:
+      return True
+    if not kinds <= {_STATIC, _NODE}:
+      return False
+  if is_graph_node(value):
+    return False
+  leaves = jtu.tree_leaves(value, is_leaf=_is_graph_object)
+  return not any(_is_graph_object(x) or _is_array_type(type(x))
+                 for x in leaves)
+
+
+_STATIC = -1  # _param_kind of a leaf that is not an array
+
+
+@functools.lru_cache(maxsize=None)
+def _param_kind(ty: type) -> int:
+  """``_node_kind``, with leaves that are not arrays told apart
+  (``_STATIC``): those are a module's static params."""
+  kind = _node_kind(ty)
+  return _STATIC if kind == _LEAF and not _is_array_type(ty) else kind
 
 
 @functools.lru_cache(maxsize=None)
