@@ -640,6 +640,8 @@ def _metadata(var) -> dict:
 
 def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   """An NNX call's variables narrowed to those its body reads."""
+  if all(sym in reads for sym in var_inputs):  # most calls read them all
+    return list(var_inputs), var_tree
   known = _entries_of.get(var_tree)
   if known is not None:
     kept = [(entry, sym) for entry, sym in zip(known, var_inputs, strict=True)
