@@ -836,15 +836,15 @@ class TraceScope:
     for i, g in zip(positions, graphs, strict=True):
       leaves[i] = copies[g.index]
     prefix_of = {id(c): p for p, c in ctx.containers}
-    prefix_at = {g.index: prefix_of[id(g)] for g in graphs}
-    # One walk of the copies (``nnx.split`` paths, the graph's index first):
-    # every module gets its path, every Variable's value is noted.
-    before = {}
-    for path, node, kind in graph_nodes(copies):
-      if kind == _MODULE and path:
+    prefix_at = {str(g.index): prefix_of[id(g)] for g in graphs}
+    # One walk of the copies (``nnx.split`` paths, the graph's index first),
+    # the one that lists each module's variables for its calls: every module
+    # gets its path, every Variable's value is noted.
+    before = {path: _value_leaves(var)
+              for path, var, _ in ctx.subtree(copies)}
+    for path, node in ctx.submodules[id(copies)]:
+      if path:
         ctx.add(node, prefix_at[path[0]], path[1:], tag=True)
-      elif kind == _VARIABLE:
-        before[path] = _value_leaves(node)
     a, k = jtu.tree_unflatten(treedef, leaves)
     out = fn(*a, **k)
     updates = [dict() for _ in graphs]
@@ -853,7 +853,7 @@ class TraceScope:
     for path, var, kind in graph_nodes(copies):
       if kind != _VARIABLE:
         continue
-      old, new = before.get(path), _value_leaves(var)
+      old, new = before.get(_str_path(path)), _value_leaves(var)
       if old is not None and len(old) == len(new) and all(
           x is y for x, y in zip(old, new)):
         continue
