@@ -227,12 +227,9 @@ def _static_params(module, path) -> dict:
 def _is_static_tree(value) -> bool:
   """A pytree (a tuple of ints, a dict of options) that holds no array,
   Variable, module or other graph node."""
-  if type(value) is tuple:  # the common case: a shape or axes
-    kinds = {_param_kind(type(x)) for x in value}
-    if kinds <= {_STATIC}:
-      return True
-    if not kinds <= {_STATIC, _NODE}:
-      return False
+  if type(value) is tuple and all(_param_kind(type(x)) == _STATIC
+                                  for x in value):
+    return True  # the common case: a shape or axes
   if is_graph_node(value):
     return False
   leaves = jtu.tree_leaves(value, is_leaf=_is_graph_object)
@@ -321,8 +318,9 @@ class _Context:
     self.paths: dict[int, tuple] = {}
     self.taken: set[tuple] = set()
     self.subtrees: dict[int, list] = {}  # id(module) -> see ``subtree``
-    # id(module) -> [(relative path, module)]: the module and every module
-    # under it, each at its first path (listed with ``subtrees``).
+    # id(node) -> [(relative path, module)]: the node (if a module) and
+    # every module under it, each at its first path (listed with
+    # ``subtrees``).
     self.submodules: dict[int, list] = {}
     self.walking: set[int] = set()  # modules whose subtree is being listed
     self.params: dict[int, dict] = {}
@@ -348,22 +346,18 @@ class _Context:
     (``subtree``), so the graph is walked once for both.
     """
     self.subtree(root)
-    for path, node in self.submodules[id(root)]:
-      self.add(node, prefix, path, tag)
-
-  def add(self, module, prefix: tuple, path: tuple, tag: bool) -> None:
-    """``register`` for one module found at ``path`` under ``prefix``."""
-    if id(module) in self.paths:
-      return
-    attrs = vars(module)
-    full = attrs.get(_TAG)
-    if full is None:
-      full = (*prefix, *_str_path(path))
-    self.paths[id(module)] = full
-    self.taken.add(full)
-    self.keep.append(module)
-    if tag and _TAG not in attrs:
-      object.__setattr__(module, _TAG, full)
+    for path, module in self.submodules[id(root)]:
+      if id(module) in self.paths:
+        continue
+      attrs = vars(module)
+      full = attrs.get(_TAG)
+      if full is None:
+        full = (*prefix, *_str_path(path))
+      self.paths[id(module)] = full
+      self.taken.add(full)
+      self.keep.append(module)
+      if tag and _TAG not in attrs:
+        object.__setattr__(module, _TAG, full)
 
   def path_of(self, module) -> tuple:
     path = self.paths.get(id(module))
@@ -423,7 +417,8 @@ class _Context:
     listed once per trace however deep the model is."""
     found = self.subtrees.get(id(module))
     if found is None:
-      found, modules = [], [((), module)]
+      found = []
+      modules = [((), module)] if _node_kind(type(module)) == _MODULE else []
       self.walking.add(id(module))
       try:
         self._collect(module, (), True, found, set(), modules,
@@ -835,16 +830,14 @@ class TraceScope:
     leaves = list(leaves)
     for i, g in zip(positions, graphs, strict=True):
       leaves[i] = copies[g.index]
-    prefix_of = {id(c): p for p, c in ctx.containers}
-    prefix_at = {str(g.index): prefix_of[id(g)] for g in graphs}
     # One walk of the copies (``nnx.split`` paths, the graph's index first),
-    # the one that lists each module's variables for its calls: every module
-    # gets its path, every Variable's value is noted.
+    # the one that lists each module's variables for its calls, notes every
+    # Variable's value; placing each graph reads the same walk.
     before = {path: _value_leaves(var)
               for path, var, _ in ctx.subtree(copies)}
-    for path, node in ctx.submodules[id(copies)]:
-      if path:
-        ctx.add(node, prefix_at[path[0]], path[1:], tag=True)
+    prefix_of = {id(c): p for p, c in ctx.containers}
+    for g in graphs:
+      ctx.register(copies[g.index], prefix_of[id(g)], tag=True)
     a, k = jtu.tree_unflatten(treedef, leaves)
     out = fn(*a, **k)
     updates = [dict() for _ in graphs]
