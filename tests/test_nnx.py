@@ -716,3 +716,81 @@ def test_a_variable_cached_during_the_call_is_a_state_update():
   assert 'table' in vars(replayed)
   np.testing.assert_array_equal(vars(replayed)['table'][...],
                                 vars(own)['table'][...])
+
+
+class SharedStateless(nnx.Module):
+  """A module without variables reachable by two attribute paths."""
+
+  def __init__(self, *, rngs):
+    self.drop = nnx.Dropout(0.5, deterministic=True)  # no Rngs: no state
+    self.again = self.drop
+    self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.again(self.fc(self.drop(x)))
+
+
+class Plain(Odd):
+  """``Odd`` without its tied Variable: nothing in it is shared."""
+
+  def __init__(self, *, rngs):
+    super().__init__(rngs=rngs)
+    del self.tied
+
+
+def test_pytree_split_is_nnx_split():
+  """Graph arguments are split with JAX's pytree flatten when nothing in
+  them is shared: the state is nnx.split's, path for path, Variable type
+  for Variable type, value for value, in the same order."""
+  from yax import _bundled_nnx
+  from yax._nnx import PytreeGraph, _pytree_split
+  to_flat = getattr(nnx, 'to_flat_state', None) or (lambda s: s.flat_state())
+  bundled, _ = _bundled_nnx.make()
+  models = [MLP(4, 8, 2, rngs=rngs()), Noisy(rngs=rngs()),
+            Attention(rngs=rngs()), ScanStack(4, 3, rngs=rngs()),
+            Plain(rngs=rngs()), bundled]
+  for nodes in [(m,) for m in models] + [(models[0], models[1], rngs())]:
+    found = _pytree_split(nodes)
+    assert found is not None, nodes
+    graphdef, state = found
+    assert isinstance(graphdef, PytreeGraph)
+    expected = [(tuple(p), type(v), id(value(v)))
+                for p, v in to_flat(nnx.split(nodes)[1])]
+    got = [(tuple(p), type(v), id(value(v))) for p, v in to_flat(state)]
+    assert len(got) >= 4 and got == expected
+
+
+def test_shared_graphs_are_split_by_nnx():
+  """A module, Variable or other graph node reached twice (within one
+  argument or across two) is split by nnx.split: a pytree flatten would
+  make two of it."""
+  from yax._nnx import _pytree_split
+  tied, shared = Odd(rngs=rngs()), Shared(rngs=rngs())
+  stateless = SharedStateless(rngs=rngs())
+  mlp = MLP(4, 8, 2, rngs=rngs())
+  for nodes in [(tied,), (shared,), (stateless,), (mlp, mlp.fc1),
+                (mlp, mlp)]:
+    assert _pytree_split(nodes) is None, nodes
+
+
+def test_an_array_attribute_is_split_by_nnx():
+  from yax._nnx import _pytree_split
+
+  class WithArray(nnx.Module):
+    def __init__(self):
+      self.w = nnx.data(jnp.ones(3))  # data, but no Variable
+
+    def __call__(self, x):
+      return x * self.w
+
+  model = WithArray()
+  assert _pytree_split((model,)) is None
+  mox = check_model(model, jnp.ones((2, 3)))
+  assert len(mox.inputs) == 2
+
+
+def test_a_shared_module_without_variables_keeps_one_path():
+  model = SharedStateless(rngs=rngs())
+  mox = check_model(model, X4, pytree_jit=False)
+  paths = [m.path for m in module_calls(mox, 'Dropout')]
+  assert paths == [('again',), ('again',)]  # nnx.split's first path

@@ -754,12 +754,78 @@ def _split_arguments(args, kwargs) -> tuple[list, Any, bool]:
   if not positions:
     # No graph node stopped the flatten: these are the plain leaves.
     return leaves, treedef, False
-  graphdef, state = nnx.split(tuple(leaves[i] for i in positions))
+  nodes = tuple(leaves[i] for i in positions)
+  graphdef, state = _pytree_split(nodes) or nnx.split(nodes)
   leaves = list(leaves)
   for k, i in enumerate(positions):
     sub = state[k] if k in state else nnx.State({})
     leaves[i] = GraphArgument(graphdef, k, sub)
   return (*jtu.tree_flatten(jtu.tree_unflatten(treedef, leaves)), True)
+
+
+class PytreeGraph:
+  """The ``graphdef`` of graph arguments split by :func:`_pytree_split`:
+  the JAX treedef of the nodes with their Variables as leaves (module
+  classes, static attributes and the structure, as in a ``GraphDef``)."""
+
+  __slots__ = ('treedef',)
+
+  def __init__(self, treedef):
+    self.treedef = treedef
+
+  def __eq__(self, other):
+    return isinstance(other, PytreeGraph) and other.treedef == self.treedef
+
+  def __hash__(self):
+    return hash(self.treedef)
+
+  def __repr__(self):
+    return f'PytreeGraph({self.treedef})'
+
+
+def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
+  """``(PytreeGraph, state)`` for graph nodes that JAX's pytree flatten
+  splits as ``nnx.split`` does, at a fraction of its cost (Flax modules
+  are pytrees): the state is ``nnx.split``'s (every Variable at its path, in
+  the same order). None where the pytree flatten cannot stand for
+  ``nnx.split``: a module, Variable or other graph node reached twice (a
+  shared one: unflattening would make two), a leaf that is not a Variable
+  (an array attribute, a node type that is no pytree), or another order."""
+  seen: set[int] = set()
+  shared = False
+
+  def stop(x) -> bool:  # called on every node the flatten reaches
+    nonlocal shared
+    kind = _node_kind(type(x))
+    if kind == _VARIABLE or kind == _MODULE or is_graph_node(x):
+      shared = shared or id(x) in seen
+      seen.add(id(x))
+    return kind == _VARIABLE
+
+  try:
+    flat, treedef = jtu.tree_flatten_with_path(nodes, is_leaf=stop)
+  except Exception:  # noqa: BLE001 - a node Flax flattens but JAX cannot
+    return None
+  if shared:
+    return None
+  nested: dict = {}
+  for keypath, var in flat:
+    if _node_kind(type(var)) != _VARIABLE:
+      return None
+    node = nested
+    for k in keypath[:-1]:
+      node = node.setdefault(_key(k), {})
+    node[_key(keypath[-1])] = var
+  state = nnx.State(nested)
+  in_order = jtu.tree_leaves(state, is_leaf=_is_variable)
+  if len(in_order) != len(flat) or any(
+      a is not b for a, (_, b) in zip(in_order, flat)):
+    return None
+  return PytreeGraph(treedef), state
+
+
+def _is_variable(x) -> bool:
+  return _node_kind(type(x)) == _VARIABLE
 
 
 def flatten_arguments(args, kwargs):
@@ -826,7 +892,14 @@ class TraceScope:
                  if isinstance(x, GraphArgument)]
     graphs = [leaves[i] for i in positions]
     graphdef = graphs[0].graphdef
-    copies = nnx.merge(graphdef, nnx.State({g.index: g.state for g in graphs}))
+    if isinstance(graphdef, PytreeGraph):  # (see ``_pytree_split``)
+      by_index = sorted(graphs, key=operator.attrgetter('index'))
+      copies = jtu.tree_unflatten(graphdef.treedef, [
+          var for g in by_index
+          for var in jtu.tree_leaves(g.state, is_leaf=_is_variable)])
+    else:
+      copies = nnx.merge(graphdef,
+                         nnx.State({g.index: g.state for g in graphs}))
     leaves = list(leaves)
     for i, g in zip(positions, graphs, strict=True):
       leaves[i] = copies[g.index]

@@ -322,21 +322,25 @@ class _Builder:
   def build_body(self, jaxpr) -> list:
     root = _Frame(None, None, [], [], [])
     stack = [root]
-    enter_p, exit_p, equation = _markers.enter_p, _markers.exit_p, \
-        self.equation
+    body = root.children
+    enter_p, exit_p = _markers.enter_p, _markers.exit_p
+    env, order, read = self.env, self.order, self.read
+    taking, body_params, drop = Equation._taking, _lower.body_params, \
+        _lower.JaxDropVar
     for eqn in jaxpr.eqns:
-      if eqn.primitive is enter_p:
-        ins = [self.read(v) for v in eqn.invars]
+      prim = eqn.primitive
+      if prim is enter_p:
+        ins = [read(v) for v in eqn.invars]
         n = eqn.params['num_vars']
         for o, s in zip(eqn.outvars, ins[n:], strict=True):
-          self.env[o] = s
+          env[o] = s
         record = eqn.params['call_id'].record
-        stack.append(_Frame(record, record, ins[:n],
-                            ins[n:], [], len(self.order)))
-      elif eqn.primitive is exit_p:
-        outs = [self.read(v) for v in eqn.invars]
+        stack.append(_Frame(record, record, ins[:n], ins[n:], [], len(order)))
+        body = stack[-1].children
+      elif prim is exit_p:
+        outs = [read(v) for v in eqn.invars]
         for o, s in zip(eqn.outvars, outs, strict=True):
-          self.env[o] = s
+          env[o] = s
         record = eqn.params['call_id'].record
         depth = next((i for i in range(len(stack) - 1, 0, -1)
                       if stack[i].record is record), None)
@@ -346,9 +350,25 @@ class _Builder:
         while len(stack) - 1 > depth:  # calls ended by a caught exception
           self.dissolve(stack)
         frame = stack.pop()
-        stack[-1].children.append(self._module_call(frame, outs))
+        body = stack[-1].children
+        body.append(self._module_call(frame, outs))
+      elif body_params(eqn.params):
+        body.append(self.equation(eqn))
       else:
-        stack[-1].children.append(equation(eqn))
+        # An equation without bodies (most of them): ``equation``, with
+        # ``read`` and ``bind`` inlined, since it runs once per equation.
+        try:
+          inputs = [env[v] for v in eqn.invars]
+        except TypeError:  # a literal (unhashable) among them
+          inputs = [read(v) for v in eqn.invars]
+        outputs = []
+        for v in eqn.outvars:
+          sym = Var(v.aval, dropped=isinstance(v, drop))
+          env[v] = sym
+          order[sym] = len(order)
+          outputs.append(sym)
+        body.append(taking(prim, inputs, outputs, eqn.params, eqn.effects,
+                           eqn.source_info, eqn.ctx))
     while len(stack) > 1:  # no exit here: an exception, or another trace
       self.dissolve(stack)
     return root.children
