@@ -99,6 +99,13 @@ jtu.register_pytree_with_keys(VariableTree, _vt_flatten_with_keys,
                               _vt_unflatten, _vt_flatten)
 
 
+def is_variable_treedef(treedef) -> bool:
+  """Whether ``treedef`` is that of a ``VariableTree`` (an NNX call's
+  variables), read from its root node without building the tree."""
+  data = treedef.node_data()
+  return data is not None and data[0] is VariableTree
+
+
 def var_kinds(mox) -> list[str] | None:
   """Variable type names of a module call's variable inputs, if NNX."""
   n = mox.num_vars
@@ -212,11 +219,13 @@ def _str_path(path) -> tuple[str, ...]:
 
 def _static_params(module, path) -> dict:
   """A module's static attributes (no variables, submodules or arrays)."""
-  params = {}
+  params, kinds = {}, _PARAM_KINDS
   for key, value in vars(module).items():
     if key[0] == '_':
       continue
-    kind = _param_kind(type(value))
+    kind = kinds.get(type(value))  # (one lookup per attribute of every module)
+    if kind is None:
+      kind = kinds[type(value)] = _param_kind(type(value))
     if kind == _STATIC or (kind == _NODE and _is_static_tree(value)):
       params[key] = value
   if 'name' not in params:
@@ -238,6 +247,7 @@ def _is_static_tree(value) -> bool:
 
 
 _STATIC = -1  # _param_kind of a leaf that is not an array
+_PARAM_KINDS: dict[type, int] = {}  # type -> _param_kind, read inline
 
 
 @functools.lru_cache(maxsize=None)
