@@ -794,3 +794,39 @@ def test_a_shared_module_without_variables_keeps_one_path():
   mox = check_model(model, X4, pytree_jit=False)
   paths = [m.path for m in module_calls(mox, 'Dropout')]
   assert paths == [('again',), ('again',)]  # nnx.split's first path
+
+
+class DropTwice(nnx.Module):
+  """Dropout called twice: its second call reads the RNG count that the
+  first one computed."""
+
+  def __init__(self, *, rngs):
+    self.fc = nnx.Linear(4, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.fc(self.drop(x)))
+
+
+def test_root_inputs_are_named_not_carried(monkeypatch):
+  """A call in the root trace names the variables that are inputs of the
+  trace by position; only a value computed during the trace (the RNG count
+  after the first dropout) rides through the call's enter marker. Either
+  way each call reads the same symbols, and the replay is the model."""
+  from yax import _markers, _trace
+  seen = []
+  build = _trace.build_root
+  monkeypatch.setattr(_trace, 'build_root', lambda builder, closed, *a: (
+      seen.append(closed.jaxpr), build(builder, closed, *a))[1])
+  model = DropTwice(rngs=rngs())
+  mox = check_model(model, X4)
+  carried = [(e.params['call_id'].record.path, e.params['num_vars'])
+             for e in seen[0].eqns if e.primitive is _markers.enter_p]
+  assert carried == [((), 0), (('drop',), 0), (('fc',), 0), (('drop',), 1)]
+  drops = module_calls(mox, 'Dropout')
+  root_inputs = set(mox.inputs)
+  first, second = ([s for s in d.var_inputs if s not in root_inputs]
+                   for d in drops)
+  assert first == [] and len(second) == 1  # the count the first one drew
+  assert all(s in root_inputs for s in module_calls(mox, 'Linear')[0]
+             .var_inputs)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from yax import _markers
+from yax._compat import get_opaque_trace_state
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -54,6 +55,11 @@ class CallRecord:
   # Set when the call ended in an exception (the model may catch it): the
   # exit marker was never bound, so the builder leaves the call out.
   failed: str | None = None
+  # Per variable leaf, in ``var_tree`` order: the position among the
+  # trace's dynamic inputs of a variable that is one of them, seen in the
+  # root trace (not passed through the enter marker), or None for one that
+  # the marker carries; None when the marker carries every variable.
+  var_refs: tuple | None = None
 
 
 class CallId:
@@ -85,7 +91,23 @@ class CallId:
 
 
 class Trace:
-  """One ``make_mox`` trace (its identity tells nested traces apart)."""
+  """One ``make_mox`` trace (its identity tells nested traces apart).
+
+  ``roots`` maps ``id`` of each dynamic input tracer of the root JAX trace
+  to its position, and ``state`` is that trace's opaque state: a module
+  called in the root trace names the variables that are root inputs by
+  position instead of passing them through its enter marker (each input
+  costs the marker's bind time, and the NNX Transformer's calls carry every
+  Variable once per enclosing call)."""
+
+  def __init__(self):
+    self.roots: dict[int, int] = {}
+    self.state = None
+
+  def enter_root(self, dyn_vals) -> None:
+    """Called first thing in the root trace, with its input tracers."""
+    self.roots = {id(v): i for i, v in enumerate(dyn_vals)}
+    self.state = get_opaque_trace_state()
 
 
 _state = threading.local()
@@ -142,11 +164,17 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   returns its result. The call's record is the markers' ``call_id``
   parameter. Used for Linen calls (the interceptor above) and NNX calls
   (``_nnx``, which passes ``is_leaf`` to keep graph nodes whole)."""
+  var_refs = None
+  trace = active()[-1]
+  if var_leaves and trace.roots and get_opaque_trace_state() == trace.state:
+    roots = trace.roots
+    var_refs = tuple(roots.get(id(x)) for x in var_leaves)
+    var_leaves = [x for x, r in zip(var_leaves, var_refs) if r is None]
   if not kwargs and all(isinstance(x, jax.core.Tracer) for x in args):
     # Most calls: positional arrays only (no tree to walk).
     in_tree, statics = _positional_tree(len(args)), {}
     record = CallRecord(module_ty, method, params, path, var_tree, in_tree,
-                        statics, len(args))
+                        statics, len(args), var_refs=var_refs)
     args = tuple(_markers.enter_p.bind(*var_leaves, *args,
                                        call_id=CallId(record),
                                        num_vars=len(var_leaves)))
@@ -155,7 +183,7 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     statics = {i: x for i, x in enumerate(leaves) if not is_traced_value(x)}
     dyn = [i for i in range(len(leaves)) if i not in statics]
     record = CallRecord(module_ty, method, params, path, var_tree, in_tree,
-                        statics, len(leaves))
+                        statics, len(leaves), var_refs=var_refs)
     marked = _markers.enter_p.bind(
         *var_leaves, *[leaves[i] for i in dyn], call_id=CallId(record),
         num_vars=len(var_leaves))

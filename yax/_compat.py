@@ -40,6 +40,15 @@ try:
 except (ImportError, AttributeError):  # pragma: no cover - depends on JAX
   HAVE_PRINTER = False
 
+# Not private: the opaque state of the current JAX trace, comparable for
+# equality (Flax uses it the same way). ``jax.extend.core`` has it on newer
+# JAX; older JAX (0.8) has it only as ``jax.core.get_opaque_trace_state``.
+import jax.extend.core as _jex_core  # noqa: E402
+import jax.core as _jax_core  # noqa: E402
+
+get_opaque_trace_state = (getattr(_jex_core, 'get_opaque_trace_state', None)
+                          or _jax_core.get_opaque_trace_state)
+
 # Why: adding an input to a ``jit`` equation (a rewrite that threads a new
 # variable into an ``nn.jit`` body) needs the "no sharding given" marker JAX
 # puts in ``in_shardings`` for inputs without one; it has no public name.

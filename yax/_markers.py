@@ -25,7 +25,10 @@ exit_p.multiple_results = True
 
 
 # yax_enter(*variables, *args) -> args. Variables ride along so that the
-# Jaxpr records which symbols the module reads as its variables.
+# Jaxpr records which symbols the module reads as its variables; those that
+# are inputs of the root trace are named by position in the call's record
+# instead (``_calls.CallRecord.var_refs``), and ride along only in a nested
+# JAX trace (a ``jit``, ``vmap`` or ``scan`` body), where JAX must see them.
 def _enter_impl(*vals, call_id, num_vars):
   del call_id
   return list(vals[num_vars:])

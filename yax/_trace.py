@@ -166,6 +166,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     active = _calls.active()
 
     def flat_fn(*dyn_vals):
+      this.enter_root(dyn_vals)
       full = list(leaves)
       for i, v in zip(dyn, dyn_vals):
         full[i] = v
@@ -255,11 +256,13 @@ def _call_name(rec: CallRecord) -> str:
 def build_root(builder, closed, leaves, in_tree, dyn, out_info) -> Mox:
   jaxpr = closed.jaxpr
   constvars = [builder.bind(v) for v in jaxpr.constvars]
-  invars = iter(builder.bind(v) for v in jaxpr.invars)
+  builder.roots = [builder.bind(v) for v in jaxpr.invars]
+  invars = iter(builder.roots)
   dyn_set = set(dyn)
   inputs = [next(invars) if i in dyn_set else Literal(x)
             for i, x in enumerate(leaves)]
   children = builder.build_body(jaxpr)
+  builder.roots = None
   outvars = iter(builder.read(v) for v in jaxpr.outvars)
   out_dyn = set(out_info['dyn'])
   outputs = [next(outvars) if i in out_dyn else Literal(x)
@@ -314,6 +317,9 @@ class _Builder:
 
   def __init__(self):
     self.env: dict[Any, Symbol] = {}
+    # The root's dynamic inputs while its body is built (``var_refs`` of
+    # the calls in it point there); None while building any other body.
+    self.roots: list | None = None
     self.order: dict[Symbol, int] = {}  # definition order of every symbol
     self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
     # Calls seen but not recorded as nodes -> why (one warning each).
@@ -346,7 +352,11 @@ class _Builder:
         for o, s in zip(eqn.outvars, ins[n:], strict=True):
           env[o] = s
         record = eqn.params['call_id'].record
-        stack.append(_Frame(record, record, ins[:n], ins[n:], [], len(order)))
+        var_inputs = ins[:n]
+        if record.var_refs is not None:
+          var_inputs = self._referenced(record, var_inputs)
+        stack.append(_Frame(record, record, var_inputs, ins[n:], [],
+                            len(order)))
         body = stack[-1].children
       elif prim is exit_p:
         outs = [read(v) for v in eqn.invars]
@@ -383,6 +393,22 @@ class _Builder:
     while len(stack) > 1:  # no exit here: an exception, or another trace
       self.dissolve(stack)
     return root.children
+
+  def _referenced(self, record: CallRecord, bound: list) -> list:
+    """A call's variables: those its marker carries, and the root inputs
+    it names by position (``CallRecord.var_refs``)."""
+    if self.roots is None:
+      raise TraceError(
+          f'internal: the call {_call_name(record)} names root inputs as its '
+          'variables, but its markers are not in the root body')
+    carried = iter(bound)
+    roots = self.roots
+    found = [next(carried) if r is None else roots[r]
+             for r in record.var_refs]
+    if next(carried, None) is not None:
+      raise TraceError(f'internal: the call {_call_name(record)} carries '
+                       'more variables than its record names')
+    return found
 
   def leave_out(self, record: CallRecord) -> None:
     if record.failed:
@@ -523,7 +549,11 @@ class _Builder:
     jaxpr = _lower.open_part(jaxpr_like)
     constvars = [self.bind(v) for v in jaxpr.constvars]
     inputs = [self.bind(v) for v in jaxpr.invars]
-    children = self.build_body(jaxpr)
+    roots, self.roots = self.roots, None  # a body is not the root's scope
+    try:
+      children = self.build_body(jaxpr)
+    finally:
+      self.roots = roots
     outputs = [self.read(v) for v in jaxpr.outvars]
     return Mox(inputs, outputs, {}, children=children,
                in_tree=jax.tree_util.tree_structure(list(inputs)),
