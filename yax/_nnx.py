@@ -32,6 +32,7 @@ import functools
 import inspect
 import operator
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -288,6 +289,15 @@ def _node_kind(ty: type) -> int:
   return _NODE
 
 
+def _holds_nothing(node) -> bool:
+  """A tuple of leaves (a shape, axes) or an empty mapping (Flax keeps
+  empty ``FrozenDict`` s as static attributes): no Variable or module can be
+  under it, so the walks skip it (two thirds of a Transformer's nodes)."""
+  if type(node) is tuple:
+    return all(_node_kind(type(x)) == _LEAF for x in node)
+  return isinstance(node, Mapping) and not node
+
+
 def graph_nodes(root) -> list:
   """``[(path, node, kind)]`` for ``root`` and every module, other graph
   node and Variable under it, each once, at the first path a depth-first
@@ -306,7 +316,8 @@ def graph_nodes(root) -> list:
     if kind != _VARIABLE:
       for key, child in reversed(nnx_node_items(node)):
         child_kind = _node_kind(type(child))
-        if child_kind != _LEAF:
+        if child_kind != _LEAF and not (child_kind == _NODE
+                                        and _holds_nothing(child)):
           stack.append(((*path, key), child, child_kind))
   return found
 
@@ -447,7 +458,8 @@ class _Context:
     first reaches them)."""
     for key, child in nnx_node_items(node):
       kind = _node_kind(type(child))
-      if kind == _LEAF or (kind != _VARIABLE and id(child) in visited):
+      if kind == _LEAF or (kind != _VARIABLE and id(child) in visited) or (
+          kind == _NODE and _holds_nothing(child)):
         continue
       at = (*path, str(key))
       if kind == _VARIABLE:
@@ -902,11 +914,13 @@ class TraceScope:
                  if isinstance(x, GraphArgument)]
     graphs = [leaves[i] for i in positions]
     graphdef = graphs[0].graphdef
+    given = None
     if isinstance(graphdef, PytreeGraph):  # (see ``_pytree_split``)
       by_index = sorted(graphs, key=operator.attrgetter('index'))
-      copies = jtu.tree_unflatten(graphdef.treedef, [
-          var for g in by_index
-          for var in jtu.tree_leaves(g.state, is_leaf=_is_variable)])
+      given = [var for g in by_index
+               for var in jtu.tree_leaves(g.state, is_leaf=_is_variable)]
+      given_values = [_value_leaves(var) for var in given]
+      copies = jtu.tree_unflatten(graphdef.treedef, given)
     else:
       copies = nnx.merge(graphdef,
                          nnx.State({g.index: g.state for g in graphs}))
@@ -924,18 +938,40 @@ class TraceScope:
     a, k = jtu.tree_unflatten(treedef, leaves)
     out = fn(*a, **k)
     updates = [dict() for _ in graphs]
-    # Every Variable of the copies after the call, at its nnx.split path
-    # (created ones included), compared with what went in.
-    for path, var, kind in graph_nodes(copies):
-      if kind != _VARIABLE:
-        continue
-      old, new = before.get(_str_path(path)), _value_leaves(var)
-      if old is not None and len(old) == len(new) and all(
-          x is y for x, y in zip(old, new)):
-        continue
-      updates[path[0]][path[1:]] = var
+    if given is not None and _same_graph(copies, graphdef, given):
+      # Nothing was added, removed or replaced (the pytree structure and
+      # the Variables are those given): the updates are the values set.
+      changed = [i for i, (var, old) in enumerate(zip(given, given_values))
+                 if not _same_leaves(old, _value_leaves(var))]
+      if changed:
+        flat = jtu.tree_flatten_with_path(copies, is_leaf=_is_variable)[0]
+        for i in changed:
+          path = tuple(_key(k) for k in flat[i][0])
+          updates[path[0]][path[1:]] = flat[i][1]
+    else:
+      # Every Variable of the copies after the call, at its nnx.split path
+      # (created ones included), compared with what went in.
+      for path, var, kind in graph_nodes(copies):
+        if kind != _VARIABLE:
+          continue
+        old = before.get(_str_path(path))
+        if old is None or not _same_leaves(old, _value_leaves(var)):
+          updates[path[0]][path[1:]] = var
     states = tuple(_nested_state(u) for u in updates)
     return NnxResult(out, states)
+
+
+def _same_graph(copies, graphdef: PytreeGraph, given: list) -> bool:
+  """Whether the copies still have the structure they were built with and
+  hold the Variables they were given (so a pytree flatten sees every
+  Variable a walk would)."""
+  now, treedef = jtu.tree_flatten(copies, is_leaf=_is_variable)
+  return (treedef == graphdef.treedef and len(now) == len(given)
+          and all(a is b for a, b in zip(now, given)))
+
+
+def _same_leaves(old: tuple, new: tuple) -> bool:
+  return len(old) == len(new) and all(x is y for x, y in zip(old, new))
 
 
 @functools.lru_cache(maxsize=256)
