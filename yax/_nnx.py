@@ -226,7 +226,7 @@ def _static_params(module, path) -> dict:
       continue
     kind = kinds.get(type(value))  # (one lookup per attribute of every module)
     if kind is None:
-      kind = kinds[type(value)] = _param_kind(type(value))
+      kind = _param_kind(type(value))
     if kind == _STATIC or (kind == _NODE and _is_static_tree(value)):
       params[key] = value
   if 'name' not in params:
@@ -248,15 +248,19 @@ def _is_static_tree(value) -> bool:
 
 
 _STATIC = -1  # _param_kind of a leaf that is not an array
-_PARAM_KINDS: dict[type, int] = {}  # type -> _param_kind, read inline
+_PARAM_KINDS: dict[type, int] = {}  # type -> _param_kind (read inline too)
 
 
-@functools.lru_cache(maxsize=None)
 def _param_kind(ty: type) -> int:
   """``_node_kind``, with leaves that are not arrays told apart
-  (``_STATIC``): those are a module's static params."""
-  kind = _node_kind(ty)
-  return _STATIC if kind == _LEAF and not _is_array_type(ty) else kind
+  (``_STATIC``): those are a module's static params. Decided once per type."""
+  kind = _PARAM_KINDS.get(ty)
+  if kind is None:
+    kind = _node_kind(ty)
+    if kind == _LEAF and not _is_array_type(ty):
+      kind = _STATIC
+    _PARAM_KINDS[ty] = kind
+  return kind
 
 
 @functools.lru_cache(maxsize=None)

@@ -373,11 +373,11 @@ class _Builder:
         frame = stack.pop()
         body = stack[-1].children
         body.append(self._module_call(frame, outs))
-      elif body_params(eqn.params):
-        body.append(self.equation(eqn))
+      elif found := body_params(eqn.params):
+        body.append(self.equation(eqn, found))
       else:
-        # An equation without bodies (most of them): ``equation``, with
-        # ``read`` and ``bind`` inlined, since it runs once per equation.
+        # An equation without bodies (most of them), with ``read`` and
+        # ``bind`` inlined, since this runs once per traced equation.
         try:
           inputs = [env[v] for v in eqn.invars]
         except TypeError:  # a literal (unhashable) among them
@@ -430,7 +430,7 @@ class _Builder:
       parent.reach.setdefault(key, {}).update(values)
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, Mapping) and not isinstance(own, _nnx.VariableTree):
+    if isinstance(own, Mapping) and not _nnx.is_variable_treedef(rec.var_tree):
       for col, values in own.items():
         parent.reach.setdefault((col, *rec.path), {}).update(values)
     self.leave_out(rec)
@@ -499,14 +499,10 @@ class _Builder:
             {k: v for k, v in values.items() if k not in reach.get(key, {})})
     return reach
 
-  def equation(self, eqn) -> Equation:
-    read = self.read
-    inputs = [read(v) for v in eqn.invars]
-    found = _lower.body_params(eqn.params)
-    if not found:  # most equations
-      return Equation._taking(eqn.primitive, inputs,
-                              [self.bind(v) for v in eqn.outvars], eqn.params,
-                              eqn.effects, eqn.source_info, eqn.ctx)
+  def equation(self, eqn, found: list) -> Equation:
+    """An equation whose parameters hold Jaxprs (``found``, as
+    ``_lower.body_params`` lists them); ``build_body`` builds the others."""
+    inputs = [self.read(v) for v in eqn.invars]
     params = dict(eqn.params)
     # A parameter holding a body with module calls moves, whole, into the
     # children (all elements of a tuple parameter such as ``branches``).
