@@ -262,12 +262,66 @@ def main(argv=None):
 
 # ----------------------------------------------------------------- NNX
 
+class _MarkersOnly:
+  """The floor of any tracer that marks NNX module calls with primitives:
+  at every call (``super()`` calls of the same method excepted, as YAX
+  does) it binds YAX's entry marker on the call's arrays and its exit
+  marker on the results, and records nothing else. Installed as the NNX
+  trace context (``_nnx._local.ctx``) while YAX's class wrappers are on."""
+
+  def __init__(self):
+    self.stack = []
+
+  def call(self, module, name, fn, args, kwargs):
+    from yax import _calls, _markers, _nnx
+    if self.stack and self.stack[-1] == (id(module), name):
+      return fn(module, *args, **kwargs)
+    flat = jax.tree_util.tree_flatten
+    leaves, tree = flat((args, kwargs), is_leaf=_nnx.is_graph_node)
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+    marked = _markers.enter_p.bind(*[leaves[i] for i in dyn],
+                                   call_id=_calls.CallId(None), num_vars=0)
+    for i, x in zip(dyn, marked):
+      leaves[i] = x
+    a, k = jax.tree_util.tree_unflatten(tree, leaves)
+    self.stack.append((id(module), name))
+    try:
+      out = fn(module, *a, **k)
+    finally:
+      self.stack.pop()
+    leaves, tree = flat(out, is_leaf=_nnx.is_graph_node)
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+    marked = _markers.exit_p.bind(*[leaves[i] for i in dyn],
+                                  call_id=_calls.CallId(None))
+    for i, x in zip(dyn, marked):
+      leaves[i] = x
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def markers_only(fn):
+  """``make_jaxpr(fn)`` traced under :class:`_MarkersOnly`."""
+  from yax import _nnx
+
+  def run(*args):
+    with _nnx._patched_classes():
+      saved = getattr(_nnx._local, 'ctx', None)
+      _nnx._local.ctx = _MarkersOnly()
+      try:
+        return jax.make_jaxpr(fn)(*args).consts
+      finally:
+        _nnx._local.ctx = saved
+  return run
+
+
 def nnx_section(small: bool, reps: dict) -> None:
   """An NNX Transformer (``yax._bundled_nnx``): tracing and jit steady state,
   YAX vs JAX/NNX, printed side by side, for the model passed as an object
   and for the split form (``nnx.split``/``nnx.merge``), with the floor of
-  any method-wrapping tracer (YAX's wrappers installed, recording nothing).
-  Goal: each trace ratio within 0.2 of its floor."""
+  any method-wrapping tracer (YAX's wrappers installed, recording nothing)
+  and that floor plus two marker primitives bound per module call (what
+  any tracer that marks calls in the Jaxpr pays; ``_MarkersOnly``).
+  Goal: each trace ratio within 0.2 of its floor. ``nnx_breakdown.py``
+  splits YAX's share into stages."""
   from flax import nnx
 
   from yax import _bundled_nnx, _nnx
@@ -305,6 +359,16 @@ def nnx_section(small: bool, reps: dict) -> None:
       reps['trace'])))
   rows.append(('(floor, split)', *interleaved(
       lambda: unrecorded(lambda s, x: forward(s, x))(state, tokens),
+      lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
+      reps['trace'])))
+  # ... and with two marker primitives bound per module call, which any
+  # tracer that marks calls in the Jaxpr pays on top of that floor.
+  rows.append(('(+markers, module)', *interleaved(
+      lambda: markers_only(lambda m, x: m(x))(model, tokens),
+      lambda: jax.make_jaxpr(lambda m, x: m(x))(model, tokens).consts,
+      reps['trace'])))
+  rows.append(('(+markers, split)', *interleaved(
+      lambda: markers_only(lambda s, x: forward(s, x))(state, tokens),
       lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
       reps['trace'])))
 
@@ -385,7 +449,10 @@ def tunix_llama_rows(reps: dict) -> None:
       lambda: yax.make_mox(lambda m, *a: m(*a))(model, *args), plain,
       reps['trace'])),
           ('(floor, module)', *interleaved(unrecorded, plain,
-                                           reps['trace']))]
+                                           reps['trace'])),
+          ('(+markers, module)', *interleaved(
+              lambda: markers_only(lambda m, *a: m(*a))(model, *args), plain,
+              reps['trace']))]
   mox = yax.make_mox(lambda m, *a: m(*a))(model, *args)
   n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
                if isinstance(n, yax.Mox) and not n.is_ephemeral)
