@@ -21,7 +21,7 @@ Stages:
 
 Usage::
 
-    python benchmarks/nnx_breakdown.py            # split form, 100 repeats (about 20 s)
+    python benchmarks/nnx_breakdown.py            # split form, 100 repeats, ~20 s
     python benchmarks/nnx_breakdown.py --module   # the model as argument
     python benchmarks/nnx_breakdown.py --repeats 60
 """

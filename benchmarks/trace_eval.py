@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import yax  # noqa: E402
+from yax import _calls, _markers, _nnx  # noqa: E402
 
 GOALS = {'trace': 1.2, 'jit steady': 1.02, 'jit first': 1.1, 'eager': 1.2}
 
@@ -273,44 +274,73 @@ class _MarkersOnly:
     self.stack = []
 
   def call(self, module, name, fn, args, kwargs):
-    from yax import _calls, _markers, _nnx
     if self.stack and self.stack[-1] == (id(module), name):
       return fn(module, *args, **kwargs)
-    flat = jax.tree_util.tree_flatten
-    leaves, tree = flat((args, kwargs), is_leaf=_nnx.is_graph_node)
-    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
-    marked = _markers.enter_p.bind(*[leaves[i] for i in dyn],
-                                   call_id=_calls.CallId(None), num_vars=0)
-    for i, x in zip(dyn, marked):
-      leaves[i] = x
-    a, k = jax.tree_util.tree_unflatten(tree, leaves)
+    a, k = _marked(_markers.enter_p, (args, kwargs), num_vars=0)
     self.stack.append((id(module), name))
     try:
       out = fn(module, *a, **k)
     finally:
       self.stack.pop()
-    leaves, tree = flat(out, is_leaf=_nnx.is_graph_node)
-    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
-    marked = _markers.exit_p.bind(*[leaves[i] for i in dyn],
-                                  call_id=_calls.CallId(None))
-    for i, x in zip(dyn, marked):
-      leaves[i] = x
-    return jax.tree_util.tree_unflatten(tree, leaves)
+    return _marked(_markers.exit_p, out)
 
 
-def markers_only(fn):
-  """``make_jaxpr(fn)`` traced under :class:`_MarkersOnly`."""
-  from yax import _nnx
+def _marked(prim, tree, **params):
+  """``tree`` with its tracers passed through one bind of ``prim``."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree,
+                                               is_leaf=_nnx.is_graph_node)
+  dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+  marked = prim.bind(*[leaves[i] for i in dyn], call_id=_calls.CallId(None),
+                     **params)
+  for i, x in zip(dyn, marked, strict=True):
+    leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
-  def run(*args):
-    with _nnx._patched_classes():
-      saved = getattr(_nnx._local, 'ctx', None)
-      _nnx._local.ctx = _MarkersOnly()
-      try:
-        return jax.make_jaxpr(fn)(*args).consts
-      finally:
-        _nnx._local.ctx = saved
-  return run
+
+# NNX tracers, each ``(fn, *args)``, timed against ``_plain``:
+def _plain(fn, *args):
+  return jax.make_jaxpr(fn)(*args).consts
+
+
+def _recorded(fn, *args):
+  return yax.make_mox(fn)(*args)
+
+
+def _unrecorded(fn, *args):
+  """The floor of any tracer that wraps NNX module methods (NNX has no
+  interceptor): ``make_jaxpr`` while YAX's class-level wrappers are
+  installed but record nothing (no trace context on this thread)."""
+  with _nnx._patched_classes():
+    return _plain(fn, *args)
+
+
+def _markers_only(fn, *args):
+  """That floor plus two marker binds per module call (``_MarkersOnly``),
+  which any tracer that marks calls in the Jaxpr pays."""
+  with _nnx._patched_classes():
+    saved = getattr(_nnx._local, 'ctx', None)
+    _nnx._local.ctx = _MarkersOnly()
+    try:
+      return _plain(fn, *args)
+    finally:
+      _nnx._local.ctx = saved
+
+
+NNX_TRACERS = (('trace ({})', _recorded), ('(floor, {})', _unrecorded),
+               ('(+markers, {})', _markers_only))
+
+
+def nnx_trace_rows(forms, reps: dict) -> list:
+  """``[(row name, tracer time, plain time)]`` for every tracer of
+  ``NNX_TRACERS`` on every ``(form name, make_fn, args)`` of ``forms``;
+  ``make_fn()`` gives a fresh function each time (``make_jaxpr`` caches)."""
+  rows = []
+  for label, tracer in NNX_TRACERS:
+    for form, make_fn, args in forms:
+      rows.append((label.format(form), *interleaved(
+          lambda: tracer(make_fn(), *args),
+          lambda: _plain(make_fn(), *args), reps['trace'])))
+  return rows
 
 
 def nnx_section(small: bool, reps: dict) -> None:
@@ -324,7 +354,7 @@ def nnx_section(small: bool, reps: dict) -> None:
   splits YAX's share into stages."""
   from flax import nnx
 
-  from yax import _bundled_nnx, _nnx
+  from yax import _bundled_nnx
   config = ({} if small else dict(vocab_size=1000, max_length=128, dim=256,
                                   num_heads=8, hidden=1024, num_layers=4))
   model, tokens = _bundled_nnx.make(batch=1, length=16 if small else 128,
@@ -332,45 +362,10 @@ def nnx_section(small: bool, reps: dict) -> None:
   graphdef, state = nnx.split(model)
   forward = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
   n_params = sum(x.size for x in jax.tree.leaves(state))
-  rows = []
-
-  # Tracing: fresh function objects, so nothing is cached between runs.
-  rows.append(('trace (module)', *interleaved(
-      lambda: yax.make_mox(lambda m, x: m(x))(model, tokens),
-      lambda: jax.make_jaxpr(lambda m, x: m(x))(model, tokens).consts,
-      reps['trace'])))
-  rows.append(('trace (split)', *interleaved(
-      lambda: yax.make_mox(lambda s, x: forward(s, x))(state, tokens),
-      lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
-      reps['trace'])))
-
-  # The floor of any tracer that wraps NNX module methods (NNX has no
-  # interceptor): the same make_jaxpr while YAX's class-level wrappers are
-  # installed but record nothing (no trace context on this thread).
-  def unrecorded(fn):
-    def run(*args):
-      with _nnx._patched_classes():
-        return jax.make_jaxpr(fn)(*args).consts
-    return run
-
-  rows.append(('(floor, module)', *interleaved(
-      lambda: unrecorded(lambda m, x: m(x))(model, tokens),
-      lambda: jax.make_jaxpr(lambda m, x: m(x))(model, tokens).consts,
-      reps['trace'])))
-  rows.append(('(floor, split)', *interleaved(
-      lambda: unrecorded(lambda s, x: forward(s, x))(state, tokens),
-      lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
-      reps['trace'])))
-  # ... and with two marker primitives bound per module call, which any
-  # tracer that marks calls in the Jaxpr pays on top of that floor.
-  rows.append(('(+markers, module)', *interleaved(
-      lambda: markers_only(lambda m, x: m(x))(model, tokens),
-      lambda: jax.make_jaxpr(lambda m, x: m(x))(model, tokens).consts,
-      reps['trace'])))
-  rows.append(('(+markers, split)', *interleaved(
-      lambda: markers_only(lambda s, x: forward(s, x))(state, tokens),
-      lambda: jax.make_jaxpr(lambda s, x: forward(s, x))(state, tokens).consts,
-      reps['trace'])))
+  rows = nnx_trace_rows([
+      ('module', lambda: lambda m, x: m(x), (model, tokens)),
+      ('split', lambda: lambda s, x: forward(s, x), (state, tokens)),
+  ], reps)
 
   mox = yax.make_mox(lambda m, x: m(x))(model, tokens)
   smox = yax.make_mox(forward)(state, tokens)
@@ -420,7 +415,6 @@ def tunix_llama_rows(reps: dict) -> None:
   import flax
   from flax import nnx
 
-  from yax import _nnx
   spec = importlib.util.find_spec('tunix')
   if spec is None:
     print('(tunix not installed: no Llama 3 rows)')
@@ -440,19 +434,8 @@ def tunix_llama_rows(reps: dict) -> None:
   args = (tokens, jnp.arange(128)[None], None,
           jnp.tril(jnp.ones((1, 128, 128), bool)))
 
-  def unrecorded():
-    with _nnx._patched_classes():
-      return jax.make_jaxpr(lambda m, *a: m(*a))(model, *args).consts
-
-  plain = lambda: jax.make_jaxpr(lambda m, *a: m(*a))(model, *args).consts  # noqa: E731
-  rows = [('trace (module)', *interleaved(
-      lambda: yax.make_mox(lambda m, *a: m(*a))(model, *args), plain,
-      reps['trace'])),
-          ('(floor, module)', *interleaved(unrecorded, plain,
-                                           reps['trace'])),
-          ('(+markers, module)', *interleaved(
-              lambda: markers_only(lambda m, *a: m(*a))(model, *args), plain,
-              reps['trace']))]
+  rows = nnx_trace_rows(
+      [('module', lambda: lambda m, *a: m(*a), (model, *args))], reps)
   mox = yax.make_mox(lambda m, *a: m(*a))(model, *args)
   n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
                if isinstance(n, yax.Mox) and not n.is_ephemeral)
