@@ -43,7 +43,7 @@ from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 from yax._compat import nnx_is_node_type, nnx_node_items
-from yax._variables import (VariableTree, is_variable_treedef, key_name,
+from yax._variables import (VariableTree, key_name,
                             variable_treedef)
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it

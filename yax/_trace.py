@@ -37,6 +37,7 @@ from yax import _calls, _lower, _markers, _nnx, _rules
 from yax._calls import CallRecord, is_traced_value, marked_call
 from yax._errors import TraceError, TraceWarning
 from yax._ir import Equation, Literal, Mox, Symbol, Var
+from yax._variables import is_variable_treedef
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -430,7 +431,7 @@ class _Builder:
       parent.reach.setdefault(key, {}).update(values)
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, Mapping) and not _nnx.is_variable_treedef(rec.var_tree):
+    if isinstance(own, Mapping) and not is_variable_treedef(rec.var_tree):
       for col, values in own.items():
         parent.reach.setdefault((col, *rec.path), {}).update(values)
     self.leave_out(rec)
@@ -459,7 +460,7 @@ class _Builder:
     live in its scope and are defined before it starts (a kernel computed
     inside the call, as for a tied head, is not a variable of the call)."""
     rec = frame.record
-    if _nnx.is_variable_treedef(rec.var_tree):
+    if is_variable_treedef(rec.var_tree):
       # NNX: the marker carried every variable the module can reach; the
       # call's are those its body reads (directly, or through the calls
       # and equations in it).
