@@ -348,7 +348,8 @@ def _export(name: str, what: str, *, indent: int | None, indent_help: str,
   return register
 
 
-@_export('xml', 'XML', indent=2, indent_help='Spaces per nesting level (0: none).')
+@_export('xml', 'XML', indent=2,
+         indent_help='Spaces per nesting level (0: none).')
 def _write_xml(mox, f, indent):
   """Print the MoX as XML."""
   from yax._serialize import dump_xml

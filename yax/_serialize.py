@@ -391,9 +391,11 @@ class _Builder:
       symbol('input', sym, var_paths[i] if i < nvars else '')
     children = node.children
     if isinstance(node, Equation) and children:
-      keys = [_body_key(k) for k in node.body_keys]
+      # A view shows any tree, one check_mox refuses too: a body without a
+      # key gets none (the keys are cut or padded to the bodies).
+      keys = [_body_key(k) for k in node.body_keys[:len(children)]]
       keys += [None] * (len(children) - len(keys))
-      for child, key in zip(children, keys):
+      for child, key in zip(children, keys, strict=True):
         self.node(child, key)
     else:
       for child in children:
