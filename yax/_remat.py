@@ -23,6 +23,7 @@ the replacement of a call is the call itself with the new body.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -38,28 +39,30 @@ from yax._sub import describe, select, substitute
 # --------------------------------------------------------------- policies
 
 def _policy_names() -> dict[str, Callable]:
-  """The ready policies of ``jax.checkpoint_policies`` by name (factories
-  such as ``save_only_these_names`` take arguments: call them first)."""
+  """The ready policies of ``jax.checkpoint_policies`` by name. Factories
+  (``save_only_these_names`` ...) take arguments and are passed called;
+  the offloading one is named with JAX's usual memory kinds."""
   out = {}
   for name in dir(jax.checkpoint_policies):
-    if name.startswith('_'):
-      continue
     fn = getattr(jax.checkpoint_policies, name)
-    if callable(fn) and _is_ready_policy(fn):
+    if not name.startswith('_') and callable(fn) and _is_ready_policy(fn):
       out[name] = fn
+  offload = getattr(jax.checkpoint_policies, 'offload_dot_with_no_batch_dims',
+                    None)
+  if offload is not None:
+    out['offload_dot_with_no_batch_dims'] = offload('device', 'pinned_host')
   return out
 
 
 def _is_ready_policy(fn) -> bool:
-  """A policy takes ``(prim, *avals, **params)``; a factory takes names or
-  other policies. JAX's ready policies are plain functions whose first
-  parameter is ``prim``."""
+  """A policy takes ``(prim, *avals, **params)`` (or anything); a factory
+  takes names or other policies."""
   try:
-    import inspect
-    params = list(inspect.signature(fn).parameters)
+    params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):
     return False
-  return bool(params) and params[0] == 'prim'
+  return bool(params) and (params[0].name == 'prim' or
+                           params[0].kind is inspect.Parameter.VAR_POSITIONAL)
 
 
 def resolve_policy(policy) -> tuple[Callable | None, str]:
