@@ -32,6 +32,9 @@ from yax import _lower, _nnx, _rules
 from yax._containers import set_in
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, iter_nodes
+from yax._variables import (NNX_GROUP, VarEntry, key_name, location,
+                            unboxed_path, var_entries, var_keys, var_kind,
+                            with_variables)
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -49,81 +52,19 @@ def _where(node: Expr, path: tuple = ()) -> str:
           f"'{'/'.join(path) or '<root>'}'")
 
 
-def _key_name(key) -> Any:
-  """The dict key, attribute name or index of one step of a key path."""
-  if isinstance(key, (jtu.DictKey, jtu.FlattenedIndexKey)):
-    return key.key
-  if isinstance(key, jtu.GetAttrKey):
-    return key.name
-  if isinstance(key, jtu.SequenceKey):
-    return key.idx
-  raise SubstitutionError(
-      f'internal: a key path step of unknown kind {type(key).__name__} '
-      f'({key!r}); expected DictKey, GetAttrKey, SequenceKey or '
-      'FlattenedIndexKey')
-
-
-# The variable group of NNX variables: an NNX model keeps all its Variables
-# in one state (an ``nnx.State`` or the module itself), where Linen splits
-# them into collections. A location ``('nnx', *module path, *name)`` is the
-# Variable's place in that state.
-NNX_GROUP = 'nnx'
-
-
-def var_keys(mox: Mox) -> list[tuple]:
-  """``(group, *name)`` of each variable input of a module call, Linen and
-  NNX alike: ``('params', 'kernel')`` for a Linen Dense, ``('nnx',
-  'kernel')`` for an NNX Linear, ``('nnx', 'lin', 'kernel')`` for a
-  submodule's Variable an NNX call reads."""
-  if mox.num_vars == 0:
-    return []
-  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
-  keys = [tuple(str(_key_name(k)) for k in _unboxed_path(kp))
-          for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-  if isinstance(placeholders, _nnx.VariableTree):
-    return [(NNX_GROUP, *k) for k in keys]
-  return keys
-
-
-def var_kind(mox: Mox, index: int) -> tuple[str, bool]:
-  """``(kind, is_param)`` of variable input ``index``: the Linen
-  collection, or the NNX Variable type (``nnx.Param`` subclasses are
-  parameters)."""
-  tree = jtu.tree_unflatten(mox.var_tree, [None] * mox.num_vars)
-  if isinstance(tree, _nnx.VariableTree):
-    return tree.kinds[index], tree.flags[index][0]
-  col = var_keys(mox)[index][0]
-  return col, col == 'params'
-
-
-def _unboxed_path(keypath: tuple) -> tuple:
-  """A key path without the ``value`` field of the box that holds the
-  array (a Linen ``nn.Partitioned``, an NNX Variable)."""
-  if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
-      keypath[-1].name == 'value':
-    return keypath[:-1]
-  return keypath
-
-
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
   placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
   out = {}
   for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(_key_name(k) for k in _unboxed_path(keypath))
+    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
   return out
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
   """(location, symbol) for each variable input of a module call."""
-  return [((keys[0], *mox.path, *keys[1:]), sym)
-          for keys, sym in zip(var_keys(mox), mox.var_inputs, strict=True)]
-
-
-def _insert(tree, keys: Sequence, value):
-  """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
-  return set_in(tree, keys, value)
+  return [(location(mox, e), e.symbol) for e in var_entries(mox)]
 
 
 def _same_type(a: Symbol, b: Symbol) -> bool:
@@ -305,45 +246,18 @@ class _Substitution:
                         module_ty=None)
 
   def _grow_vars(self, node: Mox, var_inputs, new_vars):
-    tree = jtu.tree_unflatten(node.var_tree, var_inputs) if node.num_vars else {}
+    """The call's variables with the new ones of its scope added."""
     n = len(node.path)
-    if isinstance(tree, _nnx.VariableTree) or any(
-        loc[0] == NNX_GROUP for loc, _ in new_vars):
-      return self._grow_nnx_vars(node, var_inputs, new_vars)
+    added = []
     for loc, sym in new_vars:
       if tuple(loc[1:1 + n]) != node.path:
         continue  # the variable lives outside this module's scope
-      tree = _insert(tree, (loc[0], *loc[1 + n:]), sym)
-    leaves, var_tree = jtu.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
-    return leaves, var_tree
-
-  def _grow_nnx_vars(self, node: Mox, var_inputs, new_vars):
-    """NNX: new Variables join the call's typed variable tree."""
-    n = len(node.path)
-    entries, leaves = [], []
-    if node.num_vars:
-      tree = jtu.tree_unflatten(node.var_tree, var_inputs)
-      for keys, sym, kind, flags in zip(
-          var_keys(node), var_inputs, tree.kinds, tree.flags, strict=True):
-        entries.append((keys[1:], (kind, *flags)))
-        leaves.append(sym)
-    seen = {e[0] for e in entries}
-    for loc, sym in new_vars:
       rel = tuple(loc[1 + n:])
-      if loc[0] != NNX_GROUP or tuple(loc[1:1 + n]) != node.path or \
-          rel in seen:
-        continue
-      seen.add(rel)
-      kind = self.kinds.get(loc, 'Param')
-      entries.append((rel, (kind, _nnx.is_param_kind(kind), len(rel) == 1)))
-      leaves.append(sym)
-    treedef = _nnx.variable_treedef(entries)
-    order = {rel: i for i, (rel, _) in enumerate(entries)}
-    flat = jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, range(len(entries))))[0]
-    ordered = [leaves[order[tuple(str(_key_name(k)) for k in kp)]]
-               for kp, _ in flat]
-    return ordered, treedef
+      kind = self.kinds.get(loc, 'Param') if loc[0] == NNX_GROUP else loc[0]
+      is_param = (_nnx.is_param_kind(kind) if loc[0] == NNX_GROUP
+                  else kind == 'params')
+      added.append(VarEntry(loc[0], kind, rel, is_param, len(rel) == 1, sym))
+    return with_variables(node, var_inputs, added)
 
   def _grow_args(self, in_tree, arg_inputs, new_args):
     if not new_args:
@@ -662,7 +576,7 @@ class _Substitution:
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
-        placeholders = _insert(placeholders, (*prefix, *loc[1:]), value)
+        placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:
         args, kwargs = placeholders
         placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
