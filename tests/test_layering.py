@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
      ('_eval', '_check', '_printing', '_serialize', '_query')),
     ('rewriting', ('_sub', '_pattern', '_contraction', '_formats')),
     ('LoRA, new variables, precision', ('_lora', '_init', '_cast', '_quantize')),
+    ('memory rewrites', ('_remat', '_randomized')),
     ('summary', ('_summary', '_flops')),
     ('viewers', ('_html', '_explorer')),
     ('command line', ('_cli', '_bundled', '_bundled_nnx')),

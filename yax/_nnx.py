@@ -101,7 +101,7 @@ def _wrapped_names(cls) -> list[str]:
   from_flax = cls.__module__.startswith('flax.')
   names = []
   for name, value in vars(cls).items():
-    if not inspect.isfunction(value) or getattr(value, '_yax_original', None):
+    if not _is_method(value) or getattr(value, '_yax_original', None):
       continue
     if name == '__call__':
       names.append(name)
@@ -112,6 +112,17 @@ def _wrapped_names(cls) -> list[str]:
     else:
       names.append(name)
   return names
+
+
+def _is_method(value) -> bool:
+  """A plain function, or a method wrapped by an NNX transform that is no
+  function itself (``@nnx.jit`` makes a ``JitWrapped`` object, a descriptor
+  whose ``__wrapped__`` is the method): either is called with the module
+  first. ``nnx.remat``/``nnx.vmap`` return plain functions."""
+  if inspect.isfunction(value):
+    return True
+  return (inspect.isfunction(getattr(value, '__wrapped__', None))
+          and hasattr(type(value), '__get__') and callable(value))
 
 
 def _wrap(fn, name: str):

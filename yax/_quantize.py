@@ -68,9 +68,15 @@ def _fake_quant(w, fmt: str, contracted: tuple, tile=None):
 def _nbytes(tree) -> int:
   total = 0
   for leaf in jtu.tree_leaves(tree):
-    dtype = jnp.dtype(getattr(leaf, 'dtype', np.float32))
-    bits = 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
-        8 * dtype.itemsize
+    dtype = getattr(leaf, 'dtype', np.float32)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      # A PRNG key (an RNG stream's state, ``key<fry>``): NumPy cannot
+      # interpret the dtype; its itemsize is that of the key data.
+      bits = 8 * dtype.itemsize
+    else:
+      dtype = jnp.dtype(dtype)
+      bits = 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+          8 * dtype.itemsize
     total += math.prod(np.shape(leaf)) * bits / 8
   return int(math.ceil(total))
 

@@ -172,13 +172,28 @@ class _Frame:
   is_body: bool = False  # the body of an equation (nn.scan, nn.remat ...)
   # Constants of replacements, defined in this body (or the root).
   new_consts: list = dataclasses.field(default_factory=list)  # (Var, value)
+  # Named inputs (see ``substitute``'s ``inputs``) read in this body (or
+  # the root): one symbol per name, shared by every replacement here.
+  named: dict = dataclasses.field(default_factory=dict)  # name -> Var
+
+
+class _InputKey(_rules.ConstKey):
+  """The key of a named input passed into a body: loop-invariant, like a
+  constant (``scan`` passes it as a constant)."""
+
+  @property
+  def name(self) -> str:
+    return self[1]
 
 
 class _Substitution:
 
   def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement,
-               *, retype: bool = False):
+               *, retype: bool = False, inputs: dict | None = None):
     self.root = root
+    # Replacement input symbol -> the name of the root keyword argument it
+    # reads (one symbol per name and scope, however many sites read it).
+    self.named_inputs = {} if inputs is None else inputs
     # A replacement that keeps the node's path may store one of the node's
     # own variables in another type (yax.quantize: an int8 kernel); every
     # reader of the old variable is then renamed to the new one.
@@ -322,6 +337,8 @@ class _Substitution:
             key = _rules.ConstKey(('const', id(var)))
             const_values[key] = value
             needed.append(_rules.Needed(index, key, var))
+      for name, inner in frame.named.items():
+        needed.append(_rules.Needed(index, _InputKey(('input', name)), inner))
       seen = {}
       for loc, inner in frame.new_vars:
         seen.setdefault(loc, inner)
@@ -340,7 +357,11 @@ class _Substitution:
                        self.stack[0])
       outer_vars = []
       for key, var in done.outer:
-        if isinstance(key, _rules.ConstKey):
+        if isinstance(key, _InputKey):  # the enclosing scope's symbol
+          shared = self._named_input(key.name, var.aval)
+          self._register_named(key.name, shared)
+          inputs = [shared if s is var else s for s in inputs]
+        elif isinstance(key, _rules.ConstKey):
           enclosing.new_consts.append((var, const_values[key]))
         else:
           outer_vars.append((key, var))
@@ -400,6 +421,32 @@ class _Substitution:
                 return body_inputs.index(sym)
     return None
 
+  # -- named inputs
+
+  def _named_input(self, name: str, aval) -> Var:
+    """The symbol of the named input in the innermost scope (a body or
+    the root), fresh when this scope reads it for the first time."""
+    home = next((f for f in reversed(self.stack) if f.is_body), self.stack[0])
+    var = home.named.get(name)
+    if var is None:
+      return Var(aval)
+    if not _same_type(var, Var(aval)):
+      raise SubstitutionError(
+          f'the named input {name!r} is read as {var.type_str} and as '
+          f'{Var(aval).type_str}; one name holds one type')
+    return var
+
+  def _register_named(self, name: str, var: Var) -> None:
+    """Every module call up to the scope takes ``var`` as an argument;
+    the scope (a body, threaded out by its equation, or the root, a
+    keyword argument) records it."""
+    for frame in reversed(self.stack):
+      if frame.is_body or frame is self.stack[0]:
+        frame.named.setdefault(name, var)
+        return
+      if not any(a is var for a in frame.new_args):
+        frame.new_args.append(var)
+
   # -- one replacement
 
   def enclosing_path(self) -> tuple:
@@ -430,6 +477,7 @@ class _Substitution:
     wiring: dict[Symbol, Symbol] = {}
     retyped: list[tuple[Symbol, Var]] = []
     extra_args: list[Var] = []
+    named: list[tuple[str, Var]] = []
     new_vars: list[tuple[Loc, Var]] = []
     # Constants are defined in the innermost body (or the root) around the
     # node, since a body cannot read symbols of the scope outside it.
@@ -469,6 +517,10 @@ class _Substitution:
               f'replacement has type {sym.type_str} but the node passes '
               f'{target.type_str}')
         wiring[sym] = target
+      elif sym in self.named_inputs:
+        shared = self._named_input(self.named_inputs[sym], sym.aval)
+        wiring[sym] = shared
+        named.append((self.named_inputs[sym], shared))
       else:
         fresh = Var(sym.aval)
         wiring[sym] = fresh
@@ -504,6 +556,8 @@ class _Substitution:
       frame.new_args.extend(extra_args)
       if frame.is_body:  # the equation holding the body threads them out
         break
+    for name, var in named:
+      self._register_named(name, var)
     if is_module:
       params = dict(copied.params)
       params['name'] = name
@@ -576,7 +630,7 @@ class _Substitution:
     root = self.root
     inputs = [self.rename(s) for s in root.inputs]  # retyped variables
     in_tree = root.in_tree
-    if frame.new_vars or frame.new_args:
+    if frame.new_vars or frame.new_args or frame.named:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
       seen = set()
       for loc, sym in frame.new_vars:
@@ -591,6 +645,14 @@ class _Substitution:
       if frame.new_args:
         args, kwargs = placeholders
         placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
+      if frame.named:  # keyword arguments of the root
+        args, kwargs = placeholders
+        taken = sorted(set(frame.named) & set(kwargs))
+        if taken:
+          raise SubstitutionError(
+              f'the rewrite adds the keyword argument {taken[0]!r}, which the '
+              'traced function already takes')
+        placeholders = (args, {**kwargs, **frame.named})
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
     # Variables read in another type now (quantized kernels), by key path.
@@ -891,10 +953,15 @@ def collections_of(mox: Mox) -> dict:
 
 
 def substitute(selection, repl: Replacement, mox: Mox, *,
-               retype: bool = False) -> Rewrite:
+               retype: bool = False, inputs: dict | None = None) -> Rewrite:
   """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did.
   ``retype``: a replacement keeping a node's path may store the node's own
-  variables in other types (the tree then reads the new types there)."""
+  variables in other types (the tree then reads the new types there).
+  ``inputs``: replacement input symbol -> name: such an input beyond the
+  node's arguments is the root keyword argument ``name`` (one symbol for
+  every site, passed into lifted-transform bodies as a loop constant),
+  e.g. a PRNG key every replacement reads. A callable replacement may add
+  entries to the dict before it returns its template."""
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
                             f'{type(mox).__name__}')
@@ -905,7 +972,8 @@ def substitute(selection, repl: Replacement, mox: Mox, *,
         f'the selection {selection.description} was made on another tree')
   chosen = selection if isinstance(selection, Selection) else select(
       selection, mox)
-  run = _Substitution(mox, chosen.targets, repl, retype=retype)
+  run = _Substitution(mox, chosen.targets, repl, retype=retype,
+                      inputs=inputs)
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),
