@@ -331,9 +331,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     boxed = get_in(params, keys)
     kernel = unboxed(boxed)
     stack = var.aval.ndim - len(plan.kernel_shape)
-    q, scale = _per_slice(functools.partial(
-        quantize_array, fmt=weight, contracted=plan.contracted, tile=tile),
-        stack)(kernel)
+    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
     values.append((keys, boxed_like(boxed, q)))
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    else _nnx.variable_holding('Param', scale)))
@@ -362,6 +360,15 @@ def _per_slice(fn, stack: int):
   for _ in range(stack):
     fn = jax.vmap(fn)
   return fn
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  """``quantize_array`` per slice, compiled once per kernel shape: run op
+  by op, each of its operations would compile for every new shape."""
+  return _per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                    stack)(kernel)
 
 
 def dequantize(params, *, stored: dict, weight: str):
