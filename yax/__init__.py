@@ -18,6 +18,7 @@ from yax._errors import XPathError as XPathError
 from yax._errors import YaxError as YaxError
 from yax._eval import Interpreter as Interpreter
 from yax._explorer import to_model_explorer as to_model_explorer
+from yax._fewbit import fewbit as fewbit
 from yax._eval import eval_mox as eval_mox
 from yax._lower import to_jaxpr as to_jaxpr
 from yax._ir import Equation as Equation
