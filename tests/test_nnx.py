@@ -335,6 +335,43 @@ def test_vmap_remat_jit_inside():
   assert yax.query('//jit//module_call[@path="b"]', mox)
 
 
+class DecoratedMethods(nnx.Module):
+  """Methods decorated with NNX transforms (``nnx.jit`` makes an object,
+  not a function; ``nnx.remat``/``nnx.vmap`` make functions)."""
+
+  def __init__(self, *, rngs):
+    self.a = nnx.Linear(4, 4, rngs=rngs)
+    self.b = nnx.Linear(4, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  @nnx.jit
+  def encode(self, x):
+    return self.drop(nnx.relu(self.a(x)))
+
+  @nnx.remat
+  def decode(self, x):
+    return self.b(x)
+
+  @nnx.vmap(in_axes=(None, 0))
+  def per_row(self, x):
+    return jnp.tanh(x) * 2.0
+
+  def __call__(self, x):
+    return self.per_row(self.decode(self.encode(x)))
+
+
+def test_transform_decorated_methods_are_module_calls():
+  model = DecoratedMethods(rngs=rngs())
+  mox = check_model(model, X4)
+  for method in ('encode', 'decode', 'per_row'):
+    calls = yax.query(
+        f'//module_call[@type="DecoratedMethods" and @method="{method}"]', mox)
+    assert len(calls) == 1, method
+  # The modules the jitted method calls are inside its node.
+  assert yax.query('//module_call[@method="encode"]//jit'
+                   '//module_call[@path="a"]', mox)
+
+
 def test_vmap_over_a_module():
   model = MLP(4, 4, 2, rngs=rngs())
   xs = jnp.stack([X4, 2 * X4])

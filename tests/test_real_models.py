@@ -13,7 +13,6 @@ missing the test fails if ``CI`` is set (a silent skip in CI is a defect),
 and is skipped with the reason otherwise.
 """
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -27,7 +26,8 @@ import numpy as np
 import pytest
 
 import yax
-from helpers import assert_trees_close, jit_call
+from helpers import (assert_trees_close, jit_call, random_variables,
+                     tensorflow_placeholder)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 INSTALL = 'bash tests/install_real_models.sh'
@@ -46,30 +46,6 @@ def _missing(what: str, err: BaseException):
 
 # ----------------------------------------------------------------- imports
 
-@contextlib.contextmanager
-def _tensorflow_placeholder():
-  """``gemma.gm.nn`` imports ``kauldron.typing``, whose ``array_types`` module
-  runs ``import tensorflow as tf`` only to name ``tf.Tensor`` in a few
-  type aliases (``TfArray``, ``TfFloat``, ...) that the Gemma model code does
-  not use. Installing TensorFlow (hundreds of MB) for that is not worth it:
-  while gemma is imported, ``tensorflow`` is a module holding a placeholder
-  ``Tensor`` class, removed again afterwards so that no other library (etils,
-  jaxtyping, transformers) sees a fake TensorFlow. A real TensorFlow, when
-  installed, is used as is."""
-  if 'tensorflow' in sys.modules or importlib.util.find_spec('tensorflow'):
-    yield
-    return
-  stub = types.ModuleType('tensorflow')
-  stub.__doc__ = 'placeholder for kauldron.typing (tests/test_real_models.py)'
-  stub.Tensor = type('Tensor', (), {})
-  sys.modules['tensorflow'] = stub
-  try:
-    yield
-  finally:
-    if sys.modules.get('tensorflow') is stub:
-      del sys.modules['tensorflow']
-
-
 def import_gemma():
   """``gemma.gm`` (its ``nn`` namespace loads lazily: touched here, under
   the placeholder, so that every module the model needs is imported)."""
@@ -78,7 +54,7 @@ def import_gemma():
   # own is put back, so that every other test sees Flax as it is.
   param = nn.Module.param
   try:
-    with _tensorflow_placeholder():
+    with tensorflow_placeholder():
       from gemma import gm
       from gemma.gm.nn import _modules  # the FeedForward's GELU lives here
       gm.nn.Transformer, gm.nn.config.TransformerConfig, gm.nn.AttentionType
@@ -116,17 +92,6 @@ def import_recurrentgemma():
 
 
 # ----------------------------------------------------------------- helpers
-
-def random_variables(model, seed, *args, **kwargs):
-  """Variables with the shapes ``model.init`` gives, filled with random
-  normals (std 0.2): faster than compiling the initializers, and no weight
-  is zero (Gemma's RMSNorm scales start at zero)."""
-  shapes = jax.eval_shape(model.init, jax.random.key(0), *args, **kwargs)
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(
-      lambda s: jnp.asarray(rng.normal(0.0, 0.2, s.shape).astype(s.dtype)),
-      shapes)
-
 
 def n_params(variables) -> int:
   return sum(int(np.size(x)) for x in jax.tree.leaves(variables['params']))

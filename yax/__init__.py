@@ -35,6 +35,8 @@ from yax._pattern import match as match
 from yax._pattern import trace_like as trace_like
 from yax._quantize import QuantizeResult as QuantizeResult
 from yax._quantize import quantize as quantize
+from yax._randomized import randomized_linear as randomized_linear
+from yax._remat import remat as remat
 from yax._query import query as query
 from yax._serialize import dump_xml as dump_xml
 from yax._serialize import dump_yson as dump_yson

@@ -61,9 +61,10 @@ from yax._errors import SubstitutionError
 from yax._formats import FORMATS, dequantize_array
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax import _nnx
-from yax._sub import (NNX_GROUP, Selection, collections_of, non_literals,
-                      describe, root_keypaths, select, substitute, var_keys,
-                      var_kind)
+from yax._sub import (Selection, collections_of, non_literals, describe,
+                      root_keypaths, select, substitute)
+from yax._variables import (NNX_GROUP, VarEntry, is_nnx, var_keys, var_kind,
+                            with_variables)
 from yax._trace import make_mox
 
 
@@ -323,30 +324,16 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
     children.append(eqn.replace(inputs=inputs, outputs=new_out))
   out = wired(adapter.outputs[0])
   a_name, b_name = plan.names
-  var_dict = (jtu.tree_unflatten(node.var_tree, node.var_inputs)
-              if node.num_vars else {})
-  if isinstance(var_dict, _nnx.VariableTree):  # NNX: typed nnx.LoRAParam s
-    entries = [(keys[1:], (kind, *flags)) for keys, kind, flags in zip(
-        var_keys(node), var_dict.kinds, var_dict.flags, strict=True)]
-    entries += [((a_name,), ('LoRAParam', True, True)),
-                ((b_name,), ('LoRAParam', True, True))]
-    var_tree = _nnx.variable_treedef(entries)
-    by_rel = {rel: sym for (rel, _), sym in zip(
-        entries, [*node.var_inputs, a, b], strict=True)}
-    var_inputs = [by_rel[tuple(str(k.key) for k in kp)] for kp, _ in
-                  jtu.tree_flatten_with_path(jtu.tree_unflatten(
-                      var_tree, [0] * len(entries)))[0]]
+  if is_nnx(node):  # NNX: typed nnx.LoRAParam s next to the kernel
+    rel, group, kind = (), NNX_GROUP, 'LoRAParam'
   else:
-    group = plan.kernel_keys[0]
     # Relative to the node: () next to its kernel, the calling module's
     # path and the head's name for a nested apply's root (path ()).
-    rel = tuple(plan.place[len(node.path):])
-    adapters = {a_name: a, b_name: b}
-    for key in reversed(rel):
-      adapters = {key: adapters}
-    var_dict = {**var_dict, group: {**var_dict.get(group, {}), **adapters}}
-    var_inputs, var_tree = jtu.tree_flatten(
-        var_dict, is_leaf=lambda s: isinstance(s, Symbol))
+    rel, group = tuple(plan.place[len(node.path):]), plan.kernel_keys[0]
+    kind = group
+  var_inputs, var_tree = with_variables(node, added=[
+      VarEntry(group, kind, (*rel, name), True, not rel, sym)
+      for name, sym in zip(plan.names, (a, b), strict=True)])
   outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
   return Mox(var_inputs + list(node.arg_inputs), outputs,
              {'name': node.name, 'rank': rank, 'alpha': alpha,

@@ -43,6 +43,8 @@ from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 from yax._compat import nnx_is_node_type, nnx_node_items
+from yax._variables import (VariableTree, is_variable_treedef, key_name,
+                            variable_treedef)
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
@@ -59,53 +61,6 @@ def is_graph_node(x) -> bool:
 
 
 # ------------------------------------------------------ typed variables
-
-class VariableTree(dict):
-  """The variables of an NNX module call, keyed as ``nnx.state`` shows them.
-
-  A dict (nested dicts under it) whose treedef also carries, in leaf order,
-  each leaf's Variable type name (``kinds``: ``Param``, ``BatchStat``,
-  ``RngCount``...) and ``flags``: ``(is_param, own)``, where ``is_param``
-  holds for ``nnx.Param`` and its subclasses (``nnx.LoRAParam``, custom
-  parameter types) and ``own`` for a variable of the module itself rather
-  than of a submodule. So ``Mox.var_tree`` tells every view what kind each
-  variable input is.
-  """
-
-  kinds: tuple = ()
-  flags: tuple = ()
-
-
-def _vt_flatten_with_keys(tree: VariableTree):
-  keys = sorted(tree)
-  return ([(jtu.DictKey(k), tree[k]) for k in keys],
-          (tuple(keys), tuple(tree.kinds), tuple(tree.flags)))
-
-
-def _vt_flatten(tree: VariableTree):
-  keys = sorted(tree)
-  return [tree[k] for k in keys], (tuple(keys), tuple(tree.kinds),
-                                   tuple(tree.flags))
-
-
-def _vt_unflatten(aux, children):
-  keys, kinds, flags = aux
-  tree = VariableTree(zip(keys, children))
-  tree.kinds = kinds
-  tree.flags = flags
-  return tree
-
-
-jtu.register_pytree_with_keys(VariableTree, _vt_flatten_with_keys,
-                              _vt_unflatten, _vt_flatten)
-
-
-def is_variable_treedef(treedef) -> bool:
-  """Whether ``treedef`` is that of a ``VariableTree`` (an NNX call's
-  variables), read from its root node without building the tree."""
-  data = treedef.node_data()
-  return data is not None and data[0] is VariableTree
-
 
 def var_kinds(mox) -> list[str] | None:
   """Variable type names of a module call's variable inputs, if NNX."""
@@ -146,7 +101,7 @@ def _wrapped_names(cls) -> list[str]:
   from_flax = cls.__module__.startswith('flax.')
   names = []
   for name, value in vars(cls).items():
-    if not inspect.isfunction(value) or getattr(value, '_yax_original', None):
+    if not _is_method(value) or getattr(value, '_yax_original', None):
       continue
     if name == '__call__':
       names.append(name)
@@ -157,6 +112,17 @@ def _wrapped_names(cls) -> list[str]:
     else:
       names.append(name)
   return names
+
+
+def _is_method(value) -> bool:
+  """A plain function, or a method wrapped by an NNX transform that is no
+  function itself (``@nnx.jit`` makes a ``JitWrapped`` object, a descriptor
+  whose ``__wrapped__`` is the method): either is called with the module
+  first. ``nnx.remat``/``nnx.vmap`` return plain functions."""
+  if inspect.isfunction(value):
+    return True
+  return (inspect.isfunction(getattr(value, '__wrapped__', None))
+          and hasattr(type(value), '__get__') and callable(value))
 
 
 def _wrap(fn, name: str):
@@ -531,24 +497,6 @@ def _meta(ty: type, own: bool) -> tuple:
   return ty.__name__, issubclass(ty, nnx.Param), own
 
 
-def variable_treedef(entries) -> Any:
-  """The treedef of a ``VariableTree`` with one leaf per ``(relative path,
-  (kind, is_param, own))`` entry, in the order the tree flattens."""
-  nested: dict = {}
-  for relpath, _ in entries:
-    node = nested
-    for key in relpath[:-1]:
-      node = node.setdefault(key, {})
-    node[relpath[-1]] = 0
-  tree = VariableTree(nested)
-  by_path = dict(entries)
-  order = [tuple(str(_key(k)) for k in kp)
-           for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
-  tree.kinds = tuple(by_path[p][0] for p in order)
-  tree.flags = tuple(by_path[p][1:] for p in order)
-  return jtu.tree_structure(tree)
-
-
 @functools.lru_cache(maxsize=4096)
 def _cached_treedef(entries: tuple) -> Any:
   """``variable_treedef`` of sorted entries, shared by every trace: a model
@@ -579,7 +527,7 @@ def _nested_variables(subtree) -> tuple[list, Any]:
     else:
       node[relpath[-1]] = _raw_value(var)
       meta_at[relpath] = _meta(type(var), own)
-  flat = [(tuple(str(_key(k)) for k in keypath), leaf) for keypath, leaf
+  flat = [(tuple(str(key_name(k)) for k in keypath), leaf) for keypath, leaf
           in jtu.tree_flatten_with_path(VariableTree(nested))[0]
           if is_traced_value(leaf)]
   entries = [(keys, next((meta_at[keys[:i]] for i in range(len(keys), 0, -1)
@@ -675,18 +623,11 @@ def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   for (keypath, sym), kind, flags in zip(flat, tree.kinds, tree.flags,
                                          strict=True):
     if sym in reads:
-      entries.append((tuple(str(_key(k)) for k in keypath), (kind, *flags)))
+      entries.append((tuple(str(key_name(k)) for k in keypath), (kind, *flags)))
       leaves.append(sym)
   if not entries:
     return [], jtu.tree_structure(VariableTree())
   return leaves, variable_treedef(entries)
-
-
-def _key(k):
-  for field in ('key', 'name', 'idx'):
-    if hasattr(k, field):
-      return getattr(k, field)
-  return k
 
 
 # A Variable's value as stored (no ``on_get_value`` hooks, no warning):
@@ -840,8 +781,8 @@ def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
       return None
     node = nested
     for k in keypath[:-1]:
-      node = node.setdefault(_key(k), {})
-    node[_key(keypath[-1])] = var
+      node = node.setdefault(key_name(k), {})
+    node[key_name(keypath[-1])] = var
   state = nnx.State(nested)
   in_order = jtu.tree_leaves(state, is_leaf=_is_variable)
   if len(in_order) != len(flat) or any(
@@ -950,7 +891,7 @@ class TraceScope:
       if changed:
         flat = jtu.tree_flatten_with_path(copies, is_leaf=_is_variable)[0]
         for i in changed:
-          path = tuple(_key(k) for k in flat[i][0])
+          path = tuple(key_name(k) for k in flat[i][0])
           updates[path[0]][path[1:]] = flat[i][1]
     else:
       # Every Variable of the copies after the call, at its nnx.split path
@@ -985,7 +926,7 @@ def _leaf_paths(treedef) -> tuple:
   paths = []
   for keypath, _ in jtu.tree_flatten_with_path(
       jtu.tree_unflatten(treedef, [0] * treedef.num_leaves))[0]:
-    keys = [_key(k) for k in keypath]
+    keys = [key_name(k) for k in keypath]
     if keys and keys[-1] == 'value':  # the Variable's own value field
       keys = keys[:-1]
     paths.append(_str_path(keys))
@@ -1025,7 +966,7 @@ def _model_prefixes(args, kwargs) -> list:
 
 def _argument_prefix(keypath) -> tuple:
   """``args[1]`` -> ``('1',)``; ``kwargs['model']`` -> ``('model',)``."""
-  keys = [_key(k) for k in keypath]
+  keys = [key_name(k) for k in keypath]
   return _str_path(keys[1:])
 
 
@@ -1087,7 +1028,7 @@ def own_variables(mox) -> dict:
   (not its submodules'; collections named as in :func:`variable_groups`,
   paths as ``nnx.state`` shows them: ``kernel``, ``rngs/count``)."""
   tree = jtu.tree_unflatten(mox.var_tree, list(range(mox.num_vars)))
-  paths = ['/'.join(str(_key(k)) for k in kp)
+  paths = ['/'.join(str(key_name(k)) for k in kp)
            for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
   out: dict = {}
   for path, sym, (kind, is_param, own) in zip(

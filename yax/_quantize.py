@@ -30,8 +30,9 @@ from yax._formats import (FORMATS, dequantize_array, quantize_array,
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
-from yax._sub import (NNX_GROUP, collections_of, describe, non_literals,
-                      root_keypaths, select, substitute, var_keys)
+from yax._sub import (collections_of, describe, non_literals, root_keypaths,
+                      select, substitute)
+from yax._variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._trace import make_mox
 
 @dataclasses.dataclass
@@ -66,9 +67,15 @@ def _fake_quant(w, fmt: str, contracted: tuple, tile=None):
 def _nbytes(tree) -> int:
   total = 0
   for leaf in jtu.tree_leaves(tree):
-    dtype = jnp.dtype(getattr(leaf, 'dtype', np.float32))
-    bits = 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
-        8 * dtype.itemsize
+    dtype = getattr(leaf, 'dtype', np.float32)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      # A PRNG key (an RNG stream's state, ``key<fry>``): NumPy cannot
+      # interpret the dtype; its itemsize is that of the key data.
+      bits = 8 * dtype.itemsize
+    else:
+      dtype = jnp.dtype(dtype)
+      bits = 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+          8 * dtype.itemsize
     total += math.prod(np.shape(leaf)) * bits / 8
   return int(math.ceil(total))
 
@@ -126,7 +133,6 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   kernel = node.var_inputs[index]
   contracted = _contracted_axes(plan)
   shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
-  keys = var_keys(node)
   scale_name = f'{plan.kernel_name}_scale'
   if mode == 'qat':
     stored = Var(kernel.aval)
@@ -156,23 +162,10 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
     raise SubstitutionError('internal: an empty dequantization')
   var_inputs = [stored if i == index else s
                 for i, s in enumerate(node.var_inputs)]
-  tree = jtu.tree_unflatten(node.var_tree, var_inputs)
-  if isinstance(tree, _nnx.VariableTree):
-    entries = [(k[1:], (kind, *flags)) for k, kind, flags in zip(
-        keys, tree.kinds, tree.flags, strict=True)]
-    entries += [((name,), ('Param', True, True)) for name, _ in extra]
-    var_tree = _nnx.variable_treedef(entries)
-    by_rel = {rel: sym for (rel, _), sym in zip(
-        entries, [*var_inputs, *(v for _, v in extra)], strict=True)}
-    var_inputs = [by_rel[tuple(str(k.key) for k in kp)] for kp, _ in
-                  jtu.tree_flatten_with_path(jtu.tree_unflatten(
-                      var_tree, [0] * len(entries)))[0]]
-  else:
-    group = plan.kernel_keys[0]
-    tree = {**tree, group: {**tree.get(group, {}),
-                            **{name: v for name, v in extra}}}
-    var_inputs, var_tree = jtu.tree_flatten(
-        tree, is_leaf=lambda s: isinstance(s, Symbol))
+  group, kind = ((NNX_GROUP, 'Param') if is_nnx(node)
+                 else (plan.kernel_keys[0],) * 2)
+  var_inputs, var_tree = with_variables(node, var_inputs, [
+      VarEntry(group, kind, (name,), True, True, sym) for name, sym in extra])
   arg_inputs = list(node.arg_inputs)
   if act is not None:  # the input, quantized per row before the body
     x = node.inputs[c.x_index]

@@ -32,6 +32,9 @@ from yax import _lower, _nnx, _rules
 from yax._containers import set_in
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, iter_nodes
+from yax._variables import (NNX_GROUP, VarEntry, key_name, location,
+                            unboxed_path, var_entries, var_keys, var_kind,
+                            with_variables)
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -49,81 +52,19 @@ def _where(node: Expr, path: tuple = ()) -> str:
           f"'{'/'.join(path) or '<root>'}'")
 
 
-def _key_name(key) -> Any:
-  """The dict key, attribute name or index of one step of a key path."""
-  if isinstance(key, (jtu.DictKey, jtu.FlattenedIndexKey)):
-    return key.key
-  if isinstance(key, jtu.GetAttrKey):
-    return key.name
-  if isinstance(key, jtu.SequenceKey):
-    return key.idx
-  raise SubstitutionError(
-      f'internal: a key path step of unknown kind {type(key).__name__} '
-      f'({key!r}); expected DictKey, GetAttrKey, SequenceKey or '
-      'FlattenedIndexKey')
-
-
-# The variable group of NNX variables: an NNX model keeps all its Variables
-# in one state (an ``nnx.State`` or the module itself), where Linen splits
-# them into collections. A location ``('nnx', *module path, *name)`` is the
-# Variable's place in that state.
-NNX_GROUP = 'nnx'
-
-
-def var_keys(mox: Mox) -> list[tuple]:
-  """``(group, *name)`` of each variable input of a module call, Linen and
-  NNX alike: ``('params', 'kernel')`` for a Linen Dense, ``('nnx',
-  'kernel')`` for an NNX Linear, ``('nnx', 'lin', 'kernel')`` for a
-  submodule's Variable an NNX call reads."""
-  if mox.num_vars == 0:
-    return []
-  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
-  keys = [tuple(str(_key_name(k)) for k in _unboxed_path(kp))
-          for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-  if isinstance(placeholders, _nnx.VariableTree):
-    return [(NNX_GROUP, *k) for k in keys]
-  return keys
-
-
-def var_kind(mox: Mox, index: int) -> tuple[str, bool]:
-  """``(kind, is_param)`` of variable input ``index``: the Linen
-  collection, or the NNX Variable type (``nnx.Param`` subclasses are
-  parameters)."""
-  tree = jtu.tree_unflatten(mox.var_tree, [None] * mox.num_vars)
-  if isinstance(tree, _nnx.VariableTree):
-    return tree.kinds[index], tree.flags[index][0]
-  col = var_keys(mox)[index][0]
-  return col, col == 'params'
-
-
-def _unboxed_path(keypath: tuple) -> tuple:
-  """A key path without the ``value`` field of the box that holds the
-  array (a Linen ``nn.Partitioned``, an NNX Variable)."""
-  if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
-      keypath[-1].name == 'value':
-    return keypath[:-1]
-  return keypath
-
-
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
   placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
   out = {}
   for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(_key_name(k) for k in _unboxed_path(keypath))
+    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
   return out
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
   """(location, symbol) for each variable input of a module call."""
-  return [((keys[0], *mox.path, *keys[1:]), sym)
-          for keys, sym in zip(var_keys(mox), mox.var_inputs, strict=True)]
-
-
-def _insert(tree, keys: Sequence, value):
-  """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
-  return set_in(tree, keys, value)
+  return [(location(mox, e), e.symbol) for e in var_entries(mox)]
 
 
 def _same_type(a: Symbol, b: Symbol) -> bool:
@@ -153,13 +94,28 @@ class _Frame:
   is_body: bool = False  # the body of an equation (nn.scan, nn.remat ...)
   # Constants of replacements, defined in this body (or the root).
   new_consts: list = dataclasses.field(default_factory=list)  # (Var, value)
+  # Named inputs (see ``substitute``'s ``inputs``) read in this body (or
+  # the root): one symbol per name, shared by every replacement here.
+  named: dict = dataclasses.field(default_factory=dict)  # name -> Var
+
+
+class _InputKey(_rules.ConstKey):
+  """The key of a named input passed into a body: loop-invariant, like a
+  constant (``scan`` passes it as a constant)."""
+
+  @property
+  def name(self) -> str:
+    return self[1]
 
 
 class _Substitution:
 
   def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement,
-               *, retype: bool = False):
+               *, retype: bool = False, inputs: dict | None = None):
     self.root = root
+    # Replacement input symbol -> the name of the root keyword argument it
+    # reads (one symbol per name and scope, however many sites read it).
+    self.named_inputs = {} if inputs is None else inputs
     # A replacement that keeps the node's path may store one of the node's
     # own variables in another type (yax.quantize: an int8 kernel); every
     # reader of the old variable is then renamed to the new one.
@@ -290,45 +246,18 @@ class _Substitution:
                         module_ty=None)
 
   def _grow_vars(self, node: Mox, var_inputs, new_vars):
-    tree = jtu.tree_unflatten(node.var_tree, var_inputs) if node.num_vars else {}
+    """The call's variables with the new ones of its scope added."""
     n = len(node.path)
-    if isinstance(tree, _nnx.VariableTree) or any(
-        loc[0] == NNX_GROUP for loc, _ in new_vars):
-      return self._grow_nnx_vars(node, var_inputs, new_vars)
+    added = []
     for loc, sym in new_vars:
       if tuple(loc[1:1 + n]) != node.path:
         continue  # the variable lives outside this module's scope
-      tree = _insert(tree, (loc[0], *loc[1 + n:]), sym)
-    leaves, var_tree = jtu.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
-    return leaves, var_tree
-
-  def _grow_nnx_vars(self, node: Mox, var_inputs, new_vars):
-    """NNX: new Variables join the call's typed variable tree."""
-    n = len(node.path)
-    entries, leaves = [], []
-    if node.num_vars:
-      tree = jtu.tree_unflatten(node.var_tree, var_inputs)
-      for keys, sym, kind, flags in zip(
-          var_keys(node), var_inputs, tree.kinds, tree.flags, strict=True):
-        entries.append((keys[1:], (kind, *flags)))
-        leaves.append(sym)
-    seen = {e[0] for e in entries}
-    for loc, sym in new_vars:
       rel = tuple(loc[1 + n:])
-      if loc[0] != NNX_GROUP or tuple(loc[1:1 + n]) != node.path or \
-          rel in seen:
-        continue
-      seen.add(rel)
-      kind = self.kinds.get(loc, 'Param')
-      entries.append((rel, (kind, _nnx.is_param_kind(kind), len(rel) == 1)))
-      leaves.append(sym)
-    treedef = _nnx.variable_treedef(entries)
-    order = {rel: i for i, (rel, _) in enumerate(entries)}
-    flat = jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, range(len(entries))))[0]
-    ordered = [leaves[order[tuple(str(_key_name(k)) for k in kp)]]
-               for kp, _ in flat]
-    return ordered, treedef
+      kind = self.kinds.get(loc, 'Param') if loc[0] == NNX_GROUP else loc[0]
+      is_param = (_nnx.is_param_kind(kind) if loc[0] == NNX_GROUP
+                  else kind == 'params')
+      added.append(VarEntry(loc[0], kind, rel, is_param, len(rel) == 1, sym))
+    return with_variables(node, var_inputs, added)
 
   def _grow_args(self, in_tree, arg_inputs, new_args):
     if not new_args:
@@ -372,6 +301,8 @@ class _Substitution:
             key = _rules.ConstKey(('const', id(var)))
             const_values[key] = value
             needed.append(_rules.Needed(index, key, var))
+      for name, inner in frame.named.items():
+        needed.append(_rules.Needed(index, _InputKey(('input', name)), inner))
       seen = {}
       for loc, inner in frame.new_vars:
         seen.setdefault(loc, inner)
@@ -390,7 +321,11 @@ class _Substitution:
                        self.stack[0])
       outer_vars = []
       for key, var in done.outer:
-        if isinstance(key, _rules.ConstKey):
+        if isinstance(key, _InputKey):  # the enclosing scope's symbol
+          shared = self._named_input(key.name, var.aval)
+          self._register_named(key.name, shared)
+          inputs = [shared if s is var else s for s in inputs]
+        elif isinstance(key, _rules.ConstKey):
           enclosing.new_consts.append((var, const_values[key]))
         else:
           outer_vars.append((key, var))
@@ -420,6 +355,32 @@ class _Substitution:
               if sym in body_inputs:
                 return body_inputs.index(sym)
     return None
+
+  # -- named inputs
+
+  def _named_input(self, name: str, aval) -> Var:
+    """The symbol of the named input in the innermost scope (a body or
+    the root), fresh when this scope reads it for the first time."""
+    home = next((f for f in reversed(self.stack) if f.is_body), self.stack[0])
+    var = home.named.get(name)
+    if var is None:
+      return Var(aval)
+    if not _same_type(var, Var(aval)):
+      raise SubstitutionError(
+          f'the named input {name!r} is read as {var.type_str} and as '
+          f'{Var(aval).type_str}; one name holds one type')
+    return var
+
+  def _register_named(self, name: str, var: Var) -> None:
+    """Every module call up to the scope takes ``var`` as an argument;
+    the scope (a body, threaded out by its equation, or the root, a
+    keyword argument) records it."""
+    for frame in reversed(self.stack):
+      if frame.is_body or frame is self.stack[0]:
+        frame.named.setdefault(name, var)
+        return
+      if not any(a is var for a in frame.new_args):
+        frame.new_args.append(var)
 
   # -- one replacement
 
@@ -451,6 +412,7 @@ class _Substitution:
     wiring: dict[Symbol, Symbol] = {}
     retyped: list[tuple[Symbol, Var]] = []
     extra_args: list[Var] = []
+    named: list[tuple[str, Var]] = []
     new_vars: list[tuple[Loc, Var]] = []
     # Constants are defined in the innermost body (or the root) around the
     # node, since a body cannot read symbols of the scope outside it.
@@ -490,6 +452,10 @@ class _Substitution:
               f'replacement has type {sym.type_str} but the node passes '
               f'{target.type_str}')
         wiring[sym] = target
+      elif sym in self.named_inputs:
+        shared = self._named_input(self.named_inputs[sym], sym.aval)
+        wiring[sym] = shared
+        named.append((self.named_inputs[sym], shared))
       else:
         fresh = Var(sym.aval)
         wiring[sym] = fresh
@@ -525,6 +491,8 @@ class _Substitution:
       frame.new_args.extend(extra_args)
       if frame.is_body:  # the equation holding the body threads them out
         break
+    for name, var in named:
+      self._register_named(name, var)
     if is_module:
       params = dict(copied.params)
       params['name'] = name
@@ -597,7 +565,7 @@ class _Substitution:
     root = self.root
     inputs = [self.rename(s) for s in root.inputs]  # retyped variables
     in_tree = root.in_tree
-    if frame.new_vars or frame.new_args:
+    if frame.new_vars or frame.new_args or frame.named:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
       seen = set()
       for loc, sym in frame.new_vars:
@@ -608,10 +576,18 @@ class _Substitution:
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
-        placeholders = _insert(placeholders, (*prefix, *loc[1:]), value)
+        placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:
         args, kwargs = placeholders
         placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
+      if frame.named:  # keyword arguments of the root
+        args, kwargs = placeholders
+        taken = sorted(set(frame.named) & set(kwargs))
+        if taken:
+          raise SubstitutionError(
+              f'the rewrite adds the keyword argument {taken[0]!r}, which the '
+              'traced function already takes')
+        placeholders = (args, {**kwargs, **frame.named})
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
     outputs = [self.rename(s) for s in root.outputs]
@@ -859,10 +835,15 @@ def collections_of(mox: Mox) -> dict:
 
 
 def substitute(selection, repl: Replacement, mox: Mox, *,
-               retype: bool = False) -> Rewrite:
+               retype: bool = False, inputs: dict | None = None) -> Rewrite:
   """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did.
   ``retype``: a replacement keeping a node's path may store the node's own
-  variables in other types (the tree then reads the new types there)."""
+  variables in other types (the tree then reads the new types there).
+  ``inputs``: replacement input symbol -> name: such an input beyond the
+  node's arguments is the root keyword argument ``name`` (one symbol for
+  every site, passed into lifted-transform bodies as a loop constant),
+  e.g. a PRNG key every replacement reads. A callable replacement may add
+  entries to the dict before it returns its template."""
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
                             f'{type(mox).__name__}')
@@ -873,7 +854,8 @@ def substitute(selection, repl: Replacement, mox: Mox, *,
         f'the selection {selection.description} was made on another tree')
   chosen = selection if isinstance(selection, Selection) else select(
       selection, mox)
-  run = _Substitution(mox, chosen.targets, repl, retype=retype)
+  run = _Substitution(mox, chosen.targets, repl, retype=retype,
+                      inputs=inputs)
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),
