@@ -93,11 +93,20 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
     # has no variables and no scope path; it is recorded by nothing, and
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
-  var_leaves, var_tree = tree_flatten(own_variables(module))
+  path = tuple(module.path)
+  bridged = _nnx.bridged_class(module)
+  if bridged is not None:
+    # Flax's ToLinen: an NNX model built and run inside this call, its
+    # whole state in this module's variables (nested dicts are the NNX
+    # attribute paths, not submodule scopes: ToLinen has no submodules).
+    var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
+    next_fun = _nnx.bridged(path, bridged, next_fun)
+  else:
+    var_leaves, var_tree = tree_flatten(own_variables(module))
   return marked_call(type(module), context.method_name, module_fields(module),
-                     tuple(module.path), var_leaves, var_tree, next_fun, args,
-                     kwargs, after=lambda record: _dict_variables(record,
-                                                                  module))
+                     path, var_leaves, var_tree, next_fun, args, kwargs,
+                     after=None if bridged is not None else
+                     lambda record: _dict_variables(record, module))
 
 
 def _dict_variables(record: CallRecord, module: nn.Module) -> None:
@@ -119,6 +128,20 @@ def _dict_variables(record: CallRecord, module: nn.Module) -> None:
       found.append((col, name, tree, refs))
   if found:
     record.dict_vars = tuple(found)
+
+
+def _traced_only(tree):
+  """The nested dicts of ``tree`` with only their traced leaves (metadata
+  boxes such as ``nn.LogicallyPartitioned`` kept around them)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      value = _traced_only(value)
+      if value:
+        out[key] = value
+    elif all(map(is_traced_value, jax.tree_util.tree_leaves(value))):
+      out[key] = value
+  return out
 
 
 # Every trace runs with this JAX user context set. JAX keys its tracing,
