@@ -9,7 +9,10 @@ transposes) and through the bodies of calls that merely group equations
 It records:
 
 * the dimension numbers, the kernel's side and the axis permutation from the
-  kernel variable to the contraction's operand;
+  kernel variable to the contraction's operand; the kernel may also be
+  computed elementwise from its stored form and values that do not depend
+  on the module's inputs (a dequantization: ``q * scale``, NF4's table
+  lookup, tiled scales between two reshapes), which sets ``scaled``;
 * how the other operand is computed from one input of the module call: a
   chain of one-input equations (casts, reshapes, transposes, padding) to
   replay on the module's input;
@@ -48,6 +51,17 @@ _INPUT_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose',
 _OUTPUT_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose',
                  'reshape', 'squeeze', 'expand_dims', 'reduce_precision')
 _ADDS = ('add', 'add_any', 'sub')
+# Equations that change a kernel's shape but not the order of its elements
+# (a tiled dequantization reshapes into tiles and back).
+_KERNEL_VIEWS = ('reshape', 'broadcast_in_dim', 'expand_dims', 'squeeze')
+# Elementwise equations a stored kernel may be computed by, with values that
+# do not depend on the module's inputs (scales, NF4's levels): a
+# dequantization. ``gather`` is NF4's table lookup (the codes index a
+# constant table, one value per code).
+_KERNEL_ELEMENTWISE = ('mul', 'div', 'add', 'sub', 'neg', 'select_n', 'lt',
+                       'le', 'gt', 'ge', 'eq', 'ne', 'and', 'or', 'not',
+                       'abs', 'sign', 'max', 'min', 'clamp', 'round',
+                       'gather')
 # Equations whose body runs exactly once on its inputs (positionally) and
 # whose outputs are the body's: looked through.
 _CALLS = ('pjit', 'jit', 'closed_call', 'core_call', 'remat', 'checkpoint',
@@ -190,7 +204,11 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
   flat = _Flattener()
   flat.node_children(node.children)
   kernel = flat.canon(node.inputs[kernel_index])
-  derived = {kernel: tuple(range(node.inputs[kernel_index].aval.ndim))}
+  # symbol -> (perm, view): the kernel's axes in the order perm, reshaped
+  # to another shape when ``view`` holds that order's own shape.
+  derived = {kernel: (tuple(range(node.inputs[kernel_index].aval.ndim)),
+                      None)}
+  free = _free_values(flat, node)
   uses, scaled = [], False
   for eqn in flat.eqns:
     hit = [i for i, s in enumerate(eqn.inputs)
@@ -198,18 +216,34 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
     if not hit:
       continue
     name = eqn.prim.name if eqn.prim is not None else 'a call'
+    layout = derived[eqn.inputs[hit[0]]]
     if name in CONTRACTIONS and len(hit) == 1 and hit[0] in (0, 1):
+      if layout[1] is not None:
+        return f'its {name} reads its kernel reshaped'
       uses.append((eqn, hit[0]))
     elif name in _KERNEL_STEPS and len(eqn.inputs) == 1:
-      perm = derived[eqn.inputs[0]]
+      perm, view = layout
       if name == 'transpose':
+        if view is not None:
+          return 'its kernel is reshaped and transposed before its contraction'
         perm = tuple(perm[p] for p in eqn.params['permutation'])
-      derived[flat.canon(eqn.outputs[0])] = perm
-    elif name == 'mul' and len(hit) == 1 and len(eqn.inputs) == 2 and \
-        tuple(eqn.outputs[0].aval.shape) == tuple(
-            _aval(eqn.inputs[hit[0]]).shape):
-      # kernel * scale (a dequantization): same axes, a computed kernel
-      derived[flat.canon(eqn.outputs[0])] = derived[eqn.inputs[hit[0]]]
+      derived[flat.canon(eqn.outputs[0])] = (perm, view)
+    elif name in _KERNEL_VIEWS and len(hit) == 1 and all(
+        i == hit[0] or _is_literal(s) for i, s in enumerate(eqn.inputs)):
+      derived[flat.canon(eqn.outputs[0])] = _viewed(
+          layout, _aval(eqn.inputs[hit[0]]).shape, eqn.outputs[0].aval.shape)
+    elif name in _KERNEL_ELEMENTWISE and len(
+        {derived[eqn.inputs[i]] for i in hit}) == 1 and not any(
+            not _is_literal(s) and s in free for s in eqn.inputs):
+      # A computed kernel (a dequantization, a scale): same elements.
+      shape = tuple(eqn.outputs[0].aval.shape)
+      if shape == tuple(_aval(eqn.inputs[hit[0]]).shape):
+        derived[flat.canon(eqn.outputs[0])] = layout
+      elif layout[1] is not None and shape == layout[1]:
+        derived[flat.canon(eqn.outputs[0])] = (layout[0], None)
+      else:
+        return (f'its kernel is read by {name}, which changes its shape '
+                'before a contraction')
       scaled = True
     else:
       return f'its kernel is read by {name}, not only by a contraction'
@@ -233,7 +267,8 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
               f"{params.get('feature_group_count')}, batch_group_count="
               f"{params.get('batch_group_count')}); adapters fit "
               'feature_group_count=1')
-    if derived[eqn.inputs[1]] != tuple(range(len(derived[eqn.inputs[1]]))):
+    if derived[eqn.inputs[1]][0] != tuple(range(len(
+        derived[eqn.inputs[1]][0]))):
       return 'its convolution reads its kernel transposed'
   operand = eqn.inputs[1 - side]
   if _is_literal(operand):
@@ -297,7 +332,7 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
   return Contraction(
       kernel_index=kernel_index, kind=name,
       params=tuple(sorted(params.items())), kernel_side=side,
-      perm=derived[eqn.inputs[side]], x_index=x_index,
+      perm=derived[eqn.inputs[side]][0], x_index=x_index,
       x_steps=tuple(reversed(x_steps)), operand_aval=_aval(operand),
       z_aval=_aval(eqn.outputs[0]), y_index=y_index, y_steps=tuple(y_steps),
       scaled=scaled)
@@ -305,6 +340,25 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
 
 def _aval(sym):
   return sym.aval
+
+
+def _viewed(layout: tuple, shape, new_shape) -> tuple:
+  """The layout of a kernel value of ``shape`` reshaped to
+  ``new_shape``: back to its order's own shape ends the view."""
+  perm, view = layout
+  base = view if view is not None else tuple(shape)
+  return (perm, None if tuple(new_shape) == base else base)
+
+
+def _free_values(flat: _Flattener, node: Mox) -> set:
+  """The values computed from the call's arguments (not from its
+  variables and constants alone)."""
+  free = {flat.canon(s) for s in node.inputs[node.num_vars:]
+          if not isinstance(s, Literal)}
+  for eqn in flat.eqns:
+    if any(not _is_literal(s) and s in free for s in eqn.inputs):
+      free.update(flat.canon(o) for o in eqn.outputs)
+  return free
 
 
 def _depends(sym, cone: set, producers: dict, flat: _Flattener) -> bool:

@@ -195,8 +195,8 @@ def kernel_plan(node: Mox, rank: int) -> _Plan | str:
   quant = node.params.get('quant')
   quant = quant if quant in FORMATS else None
   if c.scaled and quant is None:
-    return (f"its kernel {'/'.join(keys[index])} is multiplied by another "
-            'value before its contraction (a computed kernel that merge '
+    return (f"its kernel {'/'.join(keys[index])} is combined with other "
+            'values before its contraction (a computed kernel that merge '
             'could not update)')
   return _Plan(c, keys[index], shape, size(a_axes), size(b_axes), a_axes,
                b_axes, quant=quant)
