@@ -171,3 +171,54 @@ def test_nnx_adapters_are_lora_params_with_the_kernels_axis_names():
     assert jax.tree.leaves(lora_state) == [
         v for v, m in zip(jax.tree.leaves(trained), jax.tree.leaves(res.mask),
                           strict=True) if m]
+
+
+class NNXLayers(nnx.Module):
+  """Three Linear layers stacked along axis 0 by nnx.vmap, run by
+  nnx.scan (kernels [3, 4, 4])."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(4, 4, rngs=rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jnp.tanh(layer(x))
+    return body(self.layers, x)
+
+
+def with_both_sharding_keys(var, names):
+  """``var`` carrying its axis names under ``out_sharding`` and under its
+  deprecated alias ``sharding_names`` (as MaxText's Params do; Flax's
+  constructor would fold the alias into ``out_sharding``)."""
+  meta = {**var.get_metadata(), 'out_sharding': names,
+          'sharding_names': names}
+  return type(var).from_metadata(var[...], meta)
+
+
+def test_adapters_on_a_stack_get_their_own_names_under_both_keys():
+  model = NNXLayers(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  graphdef, state = nnx.split(model)
+  layer = state['layers']
+  layer['kernel'] = with_both_sharding_keys(layer['kernel'],
+                                            ('layers', 'embed', 'mlp'))
+  layer['bias'] = with_both_sharding_keys(layer['bias'], ('layers', 'mlp'))
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, rank=2)
+  yax.check_mox(res.mox)
+  a, b = res.params['layers']['lora_a'], res.params['layers']['lora_b']
+  assert a.shape == (3, 4, 2) and b.shape == (3, 2, 4)
+  for var, names in ((a, ('layers', 'embed', None)),
+                     (b, ('layers', None, 'mlp'))):
+    meta = var.get_metadata()
+    assert tuple(meta['out_sharding']) == names
+    assert tuple(meta.get('sharding_names', names)) == names
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+
