@@ -222,3 +222,47 @@ def test_adapters_on_a_stack_get_their_own_names_under_both_keys():
   np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
                              run(state, x), **TOL)
 
+
+MESH = jax.make_mesh((1,), ('expert',),
+                     axis_types=(jax.sharding.AxisType.Auto,))
+
+
+class Experts(nn.Module):
+  """MaxText's RoutedMoE dense path: expert kernels [experts, in, out]
+  contracted with inputs (and giving outputs) under sharding constraints."""
+
+  @nn.compact
+  def __call__(self, x):  # [experts, tokens, in]
+    where = jax.sharding.NamedSharding(
+        MESH, jax.sharding.PartitionSpec('expert', None, None))
+    wi = self.param('wi', nn.with_logical_partitioning(
+        init, ('exp', 'embed', 'mlp')), (3, 6, 5))
+    x = jax.lax.with_sharding_constraint(x, where)
+    y = jnp.einsum('etd,edh->eth', x, wi)
+    return jax.lax.with_sharding_constraint(y, where)
+
+
+def test_moe_expert_kernels_behind_sharding_constraints():
+  model = Experts()
+  x = jax.random.normal(jax.random.key(0), (3, 4, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="Experts"]', rank=2,
+                 alpha=4.0)
+  yax.check_mox(res.mox)
+  # The expert axis is a kernel axis of a batched contraction: in B.
+  a, b = res.params['params']['lora_a'], res.params['params']['lora_b']
+  assert a.value.shape == (6, 2) and b.value.shape == (2, 3, 5)
+  assert tuple(a.names) == ('embed', None)
+  assert tuple(b.names) == (None, 'exp', 'mlp')
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  ta, tb = (trained['params'][k].value for k in ('lora_a', 'lora_b'))
+  kernel = nn.meta.unbox(variables)['params']['wi']
+  want = model.apply({'params': {'wi': kernel + 2.0 * np.einsum(
+      'dr,reh->edh', ta, tb)}}, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+

@@ -39,17 +39,21 @@ from yax._ir import Literal, Mox, Symbol
 
 CONTRACTIONS = ('dot_general', 'conv_general_dilated')
 # Equations a kernel may pass through on its way to the contraction: they
-# keep its values (a transpose only moves axes, which `perm` records).
-_KERNEL_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose')
+# keep its values (a transpose only moves axes, which `perm` records; a
+# sharding constraint only says where they live, as MaxText's MoE puts on
+# its inputs and outputs).
+_KERNEL_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose',
+                 'sharding_constraint')
 # One-input equations the other operand may be computed by, from an input
 # of the module (replayed on the adapter's input).
 _INPUT_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose',
                 'reshape', 'broadcast_in_dim', 'squeeze', 'expand_dims',
-                'pad', 'reduce_precision')
+                'pad', 'reduce_precision', 'sharding_constraint')
 # One-input linear equations between the contraction and the module output
 # (replayed on the change of the contraction's output).
 _OUTPUT_STEPS = ('convert_element_type', 'copy', 'copy_p', 'transpose',
-                 'reshape', 'squeeze', 'expand_dims', 'reduce_precision')
+                 'reshape', 'squeeze', 'expand_dims', 'reduce_precision',
+                 'sharding_constraint')
 _ADDS = ('add', 'add_any', 'sub')
 # Equations that change a kernel's shape but not the order of its elements
 # (a tiled dequantization reshapes into tiles and back).
