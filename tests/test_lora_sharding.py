@@ -266,3 +266,57 @@ def test_moe_expert_kernels_behind_sharding_constraints():
   np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
   np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
 
+
+class ScannedDecoder(nnx.Module):
+  """MaxText's scanned layers: params stacked on axis 1
+  (``param_scan_axis=1``), moved to the front, sliced by ``jax.lax.scan``
+  and merged into the layer inside the (rematerialized) body."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=1)
+    def make(rngs):
+      return nnx.Linear(4, 4, rngs=rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    graphdef, state = nnx.split(self.layers)
+    state = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), state)
+
+    def body(x, layer_state):
+      layer = nnx.merge(graphdef, layer_state)
+      return jax.checkpoint(lambda x: jnp.tanh(layer(x)))(x), None
+    return jax.lax.scan(body, x, state)[0]
+
+
+def test_scanned_layers_sliced_from_a_stack_on_axis_1():
+  model = ScannedDecoder(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  graphdef, state = nnx.split(model)
+  layers = state['layers']
+  layers['kernel'] = with_both_sharding_keys(layers['kernel'],
+                                             ('embed', 'layers', 'mlp'))
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, rank=2, alpha=4.0)
+  yax.check_mox(res.mox)
+  assert res.paths == [('layers',)]
+  a, b = res.params['layers']['lora_a'], res.params['layers']['lora_b']
+  # One pair per layer, stacked on axis 0 (the axis the scan slices).
+  assert a.shape == (3, 4, 2) and b.shape == (3, 2, 4)
+  assert tuple(a.get_metadata()['out_sharding']) == ('layers', 'embed', None)
+  assert tuple(b.get_metadata()['out_sharding']) == ('layers', None, 'mlp')
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  ta, tb = (trained['layers'][k][...] for k in ('lora_a', 'lora_b'))
+  reference = nnx.split(model)[1]
+  kernel = reference['layers']['kernel']  # [in, layers, out]
+  kernel.value = kernel[...] + 2.0 * np.einsum('lir,lro->ilo', ta, tb)
+  want = run(reference, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  merged = res.merge(trained)
+  assert tuple(merged['layers']['kernel'].get_metadata()['out_sharding']) \
+      == ('embed', 'layers', 'mlp')
+  np.testing.assert_allclose(run(merged, x), want, **TOL)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
 from typing import Any, Callable
@@ -62,8 +63,8 @@ from yax._formats import FORMATS, dequantize_array
 from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax import _nnx
 from yax._sub import (NNX_GROUP, Selection, collections_of, non_literals,
-                      describe, root_keypaths, select, substitute, var_keys,
-                      var_kind)
+                      describe, leave_out_hint, root_keypaths, select,
+                      substitute, var_keys, var_kind)
 from yax._trace import make_mox
 
 
@@ -120,10 +121,23 @@ class _Plan:
   # The storage format of a kernel quantized by yax.quantize (merge then
   # returns float params for the tree quantize started from).
   quant: str | None = None
+  # Kernel axes that stack one kernel per slice (an nn.vmap with
+  # variable_axes): A and B carry them too, one adapter pair per slice.
+  stack: tuple = ()
+  # A stacked param whose axes a transpose moved before a scan sliced it
+  # (MaxText's scanned layers, stacked on axis 1): the scanned array's axis
+  # j is the param's axis source_perm[j]. The adapters stack on axis 0.
+  source_perm: tuple | None = None
 
   @property
   def kernel_name(self) -> str:
     return self.kernel_keys[-1]
+
+  @property
+  def contracted(self) -> tuple:
+    """The kernel axes its contraction contracts."""
+    return tuple(v for v in self.a_axes
+                 if v is not None and v not in self.stack)
 
 
 def adapter_dtype(kernel: Symbol, c: _contraction.Contraction):
@@ -181,12 +195,16 @@ def kernel_plan(node: Mox, rank: int) -> _Plan | str:
             'that hold one kernel each')
   index, c = found[0]
   shape = tuple(node.var_inputs[index].aval.shape)
+  stack = ()
   if c.kind == 'dot_general':
-    (lc, rc), _ = c.dimension_numbers
+    (lc, rc), (lb, rb) = c.dimension_numbers
     kc = (lc, rc)[c.kernel_side]
     contracted = sorted(c.perm[a] for a in kc)
-    other = [v for v in range(len(shape)) if v not in contracted]
-    a_axes, b_axes = (*contracted, None), (None, *other)
+    stack = _stacked_axes(node, index, sorted(
+        c.perm[a] for a in (lb, rb)[c.kernel_side]))
+    other = [v for v in range(len(shape))
+             if v not in contracted and v not in stack]
+    a_axes, b_axes = (*stack, *contracted, None), (*stack, None, *other)
   else:
     out = c.dimension_numbers.rhs_spec[0]
     a_axes = (*(v for v in range(len(shape)) if v != out), None)
@@ -199,11 +217,53 @@ def kernel_plan(node: Mox, rank: int) -> _Plan | str:
             'values before its contraction (a computed kernel that merge '
             'could not update)')
   return _Plan(c, keys[index], shape, size(a_axes), size(b_axes), a_axes,
-               b_axes, quant=quant)
+               b_axes, quant=quant, stack=stack)
 
 
-def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
-  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general."""
+def _stacked_axes(node: Mox, index: int, batch: list) -> tuple:
+  """The kernel axes among ``batch`` (its contraction's batch axes) that
+  a lifted ``nn.vmap`` stacked: the axes the kernel has beyond the shape
+  the module itself declares at the call's argument shapes. (A batch axis
+  the module declares, as ``DenseGeneral(batch_dims=...)``'s, is a kernel
+  axis like any other.)"""
+  cls = node.module_ty
+  if not batch or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    return ()
+  keys = var_keys(node)[index]
+  try:
+    fields = {f.name for f in dataclasses.fields(cls)
+              if f.init and f.name not in ('parent', 'name')}
+    module = cls(**{k: v for k, v in node.params.items() if k in fields})
+    method = getattr(cls, node.entrypoint or '__call__')
+
+    def init(*arrays):
+      it = iter(arrays)
+      args, kwargs = jtu.tree_unflatten(node.in_tree, [
+          next(it) if s.aval is not None else s.value
+          for s in node.arg_inputs])
+      return module.init(jax.random.key(0), *args, method=method, **kwargs)
+    declared = jax.eval_shape(init, *(
+        jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+        for s in node.arg_inputs if s.aval is not None))
+    declared = tuple(nn.meta.unbox(declared)[keys[0]][keys[1]].shape)
+  except Exception:  # pylint: disable=broad-except
+    # The module cannot be rebuilt from its recorded fields: no stacking
+    # is assumed (its batch axes are kernel axes like any other).
+    return ()
+  shape = tuple(node.var_inputs[index].aval.shape)
+  extra = len(shape) - len(declared)
+  if extra <= 0:
+    return ()
+  for axes in itertools.combinations(batch, extra):
+    if tuple(n for i, n in enumerate(shape) if i not in axes) == declared:
+      return tuple(axes)
+  return ()
+
+
+def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int,
+                 stack: tuple = ()):
+  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general
+  (``stack``: kernel axes that lead both A and B)."""
   (lc, rc), (lb, rb) = c.dimension_numbers
   side = c.kernel_side
   kc, kb = (lc, rc)[side], (lb, rb)[side]
@@ -216,8 +276,10 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
     xs[xa] = op[ka]
   xs = [s or next(pool) for s in xs]
   contracted = sorted(c.perm[a] for a in kc)
-  a_sub = ''.join(var[v] for v in contracted) + 'r'
-  b_sub = 'r' + ''.join(var[v] for v in range(k_ndim) if v not in contracted)
+  lead = ''.join(var[v] for v in stack)
+  a_sub = lead + ''.join(var[v] for v in contracted) + 'r'
+  b_sub = lead + 'r' + ''.join(var[v] for v in range(k_ndim)
+                               if v not in contracted and v not in stack)
   h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + 'r'
   batch = ''.join(xs[i] for i in xb)
   x_free = ''.join(xs[i] for i in range(x_ndim) if i not in xc and i not in xb)
@@ -226,11 +288,12 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
   return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
 
 
-def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
+def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b, stack=()):
   """The change of the contraction's output for the kernel change
   ``A @ B``, computed without forming it: ``(x A) B``."""
   if c.kind == 'dot_general':
-    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim)
+    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim,
+                                                      stack)
     h = jnp.einsum(f'{x_sub},{a_sub}->{h_sub}', x, a)
     return jnp.einsum(f'{h_sub},{b_sub}->{out}', h, b)
   params = dict(c.params)
@@ -245,15 +308,22 @@ def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
 
 def _kernel_delta(plan: _Plan, a, b):
   """``A @ B`` in the kernel's shape (leading axes of a stacked kernel, as
-  ``nn.scan`` makes them, kept)."""
+  ``nn.scan`` makes them, kept; moved back where a transpose took them
+  from, see ``_Plan.source_perm``)."""
   c, n = plan.contraction, len(plan.kernel_shape)
   if c.kind == 'dot_general':
-    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim)
-    return jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
-  out = c.dimension_numbers.rhs_spec[0]
-  rest = 'abcdefghijklmnopq'[:n - 1]
-  flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
-  return jnp.moveaxis(flat, -1, flat.ndim - n + out)
+    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim,
+                                                plan.stack)
+    delta = jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
+  else:
+    out = c.dimension_numbers.rhs_spec[0]
+    rest = 'abcdefghijklmnopq'[:n - 1]
+    flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
+    delta = jnp.moveaxis(flat, -1, flat.ndim - n + out)
+  perm = plan.source_perm
+  if perm is not None and delta.ndim == len(perm):
+    delta = jnp.transpose(delta, np.argsort(perm))
+  return delta
 
 
 # The traced adapter is only read (its symbols are re-wired per node), so one
@@ -261,11 +331,11 @@ def _kernel_delta(plan: _Plan, a, b):
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
-                    x_aval, y_aval, dtype, scale):
+                    x_aval, y_aval, dtype, scale, stack=()):
   def adapter(y, x, a, b):
     for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(c, k_ndim, x.astype(dtype), a, b)
+    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack)
     delta = (scale * delta).astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
@@ -278,7 +348,7 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
 
 def _adapter_mox(plan: _Plan, x_aval, y_aval, dtype, scale):
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
-          plan.b_shape, x_aval, y_aval, dtype, scale)
+          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack)
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -359,10 +429,12 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
 # ------------------------------------------------- where a kernel comes from
 
 def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
-  """(root key path of the kernel ``sym``, None) or (None, why it has
-  none)."""
+  """(root key path of the kernel ``sym``, None, perm) or (None, why it
+  has none, None). ``perm``: the transpose a stacked param went through
+  before a scan sliced it (see ``_Plan.source_perm``), or None."""
   chain = list(ancestors)
   i = len(chain) - 1
+  perm = None
   while i >= 1:
     body, eqn = chain[i], chain[i - 1]
     if not isinstance(eqn, Equation):
@@ -370,15 +442,29 @@ def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
       continue
     positions = [j for j, s in enumerate(body.inputs) if s is sym]
     if not positions:
-      return None, f'computed inside the body of {describe(eqn)}'
+      return None, f'computed inside the body of {describe(eqn)}', None
     index = [id(c) for c in eqn.children].index(id(body))
     sym = _rules.body_input_sources(eqn, index)[positions[0]]
+    if eqn.prim.name == 'scan' and i >= 2 and sym not in keypaths:
+      sym, perm = _untransposed(chain[i - 2], sym)
     i -= 2
   if sym in keypaths:
-    return keypaths[sym], None
+    return keypaths[sym], None, perm
   if any(sym is c for c in chain[0].constvars):
-    return None, 'a constant captured by the trace'
-  return None, 'computed in the model'
+    return None, 'a constant captured by the trace', None
+  return None, 'computed in the model', None
+
+
+def _untransposed(scope, sym):
+  """``sym`` computed by a transpose of a value of ``scope`` (a stacked
+  param with its scan axis moved to the front): that value and the
+  permutation; else ``sym`` and None."""
+  producer = next((c for c in scope.children if isinstance(c, Equation)
+                   and c.prim.name == 'transpose' and c.outputs[0] is sym),
+                  None)
+  if producer is None or isinstance(producer.inputs[0], Literal):
+    return sym, None
+  return producer.inputs[0], tuple(producer.params['permutation'])
 
 
 def kernel_holders(mox: Mox) -> dict:
@@ -394,48 +480,6 @@ def kernel_holders(mox: Mox) -> dict:
   return holders
 
 
-def _xpath_string(text: str) -> str:
-  return f"'{text}'" if '"' in text else f'"{text}"'
-
-
-def _excluding(node: Mox, others=()) -> str:
-  """An XPath condition true exactly for ``node``'s call site(s); with
-  its method when ``others`` (the rest of the selection) holds a call of
-  another method at the same path (Embed's lookup next to its attend)."""
-  if node.path:
-    condition = f'@path={_xpath_string(_path_str(node))}'
-    if node.entrypoint and any(
-        o.path == node.path and o.entrypoint != node.entrypoint
-        for o in others if isinstance(o, Mox)):
-      condition += f' and @method={_xpath_string(node.entrypoint)}'
-    return condition
-  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
-  if node.name:
-    parts.append(f'@name={_xpath_string(node.name)}')
-  parts.append('string(@path)=""')
-  return ' and '.join(parts)
-
-
-def _hint(problems, selection, targets=()) -> str:
-  """The selection with a predicate that leaves the problem modules out."""
-  conditions = list(dict.fromkeys(
-      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
-          n, targets) for n, _, wrapped in problems))
-  if len(conditions) > 1:
-    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
-  predicate = f"[not({' or '.join(conditions)})]"
-  if isinstance(selection, str):
-    simple = '|' not in selection and not selection.rstrip().endswith(')')
-    fixed = (selection + predicate if simple
-             else f'({selection}){predicate}')
-    them = 'it' if len(problems) == 1 else 'them'
-    hint = f'Leave {them} out of the selection, e.g.:\n  {fixed}'
-  else:
-    hint = ('Leave them out of the node list, or select with an XPath such '
-            f'as:\n  //module_call[@type="Dense"]{predicate}')
-  return hint
-
-
 def _refuse(problems, chosen: Selection, selection):
   """One error for every module lora cannot adapt, with a way around."""
   lines = [f"  - {describe(n)}{f' (name {n.name!r})' if n.name else ''}: "
@@ -443,7 +487,8 @@ def _refuse(problems, chosen: Selection, selection):
   raise SubstitutionError(
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
-      '\n' + _hint(problems, selection, chosen.targets))
+      '\n' + leave_out_hint([(n, wrapped) for n, _, wrapped in problems],
+                             selection, chosen.targets))
 
 
 # ---------------------------------------------------------- argument checks
@@ -595,7 +640,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         else None
     names = (tuple(f'{method}_{n}' for n in _ADAPTER_NAMES) if method
              else _ADAPTER_NAMES)
-    keypath, why = _kernel_source(kernel, ancestors, keypaths)
+    keypath, why, source_perm = _kernel_source(kernel, ancestors, keypaths)
     own_place = (*prefix, *node.path, *plan.kernel_keys[1:])
     if keypath is not None and tuple(map(str, keypath)) == tuple(
         map(str, own_place)):
@@ -606,8 +651,8 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
                          f'arguments hold {_arg_str(keypath[:-1])}'
                          f'[{names[0]!r}/{names[1]!r}])', False))
         continue
-      plans[id(node)] = dataclasses.replace(plan, names=names,
-                                            place=tuple(node.path))
+      plans[id(node)] = dataclasses.replace(
+          plan, names=names, place=tuple(node.path), source_perm=source_perm)
       continue
     # A head applied through a nested Module.apply with a kernel it does
     # not own (a tied embedding, transposed): its adapter sits at the call
@@ -717,6 +762,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     removed), in ``trained``'s container types."""
     tied = [(path, plan) for (path, _), plan in merges if plan.tied]
     if tied:
+      heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
       raise SubstitutionError(
           'merge: ' + '; '.join(
               f"the adapter at params"
@@ -725,8 +771,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
               f'{plan.tied}' for path, plan in tied) +
           '. Merged into that kernel it would change every other reader '
           'too, so a tied head could no longer be tied: keep the adapters '
-          '(run res.mox with the trained params), or leave these modules '
-          'out of the selection to get mergeable adapters')
+          '(run res.mox with the trained params), or adapt the other '
+          'modules only to get mergeable adapters.\n' + leave_out_hint(
+              heads, selection, chosen.targets))
     out = trained
     for (module_path, names), plan in merges:
       keys = (*inside, *module_path)
@@ -746,7 +793,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         scale_name = f'{plan.kernel_name}_scale'
         kernel = dequantize_array(kernel, unboxed(get_in(
             out, (*keys, scale_name))), plan.quant, a.dtype,
-            tuple(v for v in plan.a_axes if v is not None))
+            plan.contracted)
         drop = (*names, scale_name)
       delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
@@ -801,6 +848,8 @@ def _adapter_axis_names(names, plan: _Plan, is_a: bool):
   the contracted axes' then None, ``B`` None then the other axes'; leading
   names of a stacked kernel lead both. None if they do not fit."""
   names = tuple(names)
+  if plan.source_perm is not None and len(names) == len(plan.source_perm):
+    names = tuple(names[p] for p in plan.source_perm)  # as scanned
   n_stack = len(names) - len(plan.kernel_shape)
   if n_stack < 0:
     return None
@@ -826,7 +875,9 @@ def _adapter_value(kernel, plan: _Plan, is_a: bool, shape, dtype, rng):
   if isinstance(kernel, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   if is_a:
-    fan_in = math.prod(plan.a_shape[:-1])
+    fan_in = math.prod(plan.kernel_shape[v] for v in plan.contracted) \
+        if plan.contraction.kind == 'dot_general' else math.prod(
+            plan.a_shape[:-1])
     host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
   else:
     host = np.zeros(shape, np.float32)

@@ -30,8 +30,9 @@ from yax._formats import (FORMATS, dequantize_array, quantize_array,
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox, Symbol, Var
-from yax._sub import (NNX_GROUP, collections_of, describe, non_literals,
-                      root_keypaths, select, substitute, var_keys)
+from yax._sub import (NNX_GROUP, collections_of, describe, leave_out_hint,
+                      non_literals, root_keypaths, select, substitute,
+                      var_keys)
 from yax._trace import make_mox
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ def _nbytes(tree) -> int:
 
 def _contracted_axes(plan) -> tuple:
   """Kernel axes reduced by a per-output-channel scale."""
-  return tuple(v for v in plan.a_axes if v is not None)
+  return plan.contracted
 
 
 def _traced(fn, *specs):
@@ -310,7 +311,8 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     raise SubstitutionError(
         f'quantize cannot quantize {len(problems)} of the '
         f'{len(chosen.targets)} module calls selected by '
-        f'{chosen.description}:\n{lines}')
+        f'{chosen.description}:\n{lines}\n' + leave_out_hint(
+            [(n, False) for n, _ in problems], selection, chosen.targets))
   # Every reader of a quantized kernel reads it quantized: another call
   # of the same module (Embed's lookup next to its attend) dequantizes the
   # same table; any other reader must be selected too.
