@@ -24,12 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
 
-from yax import _lora, _nnx
+from yax import _contraction, _nnx
+from yax._arguments import boxed_like
 from yax._containers import set_many
 from yax._errors import SubstitutionError
 from yax._formats import FORMATS, quantize_array
 from yax._ir import Mox, Symbol, iter_nodes
-from yax._sub import NNX_GROUP, collections_of, var_keys, var_kind
+from yax._sub import collections_of
+from yax._variables import NNX_GROUP, var_keys, var_kind
 
 
 def _declared(mox: Mox) -> dict:
@@ -184,7 +186,8 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
   kernel in ``params``, which is stored quantized with it); None for any
   other variable."""
   adapter = name.endswith(('lora_a', 'lora_b'))
-  if node.module_ty is _lora.LoRA and not adapter:  # the call it wraps
+  is_lora = _is_lora_call(node)
+  if is_lora and not adapter:  # a variable of the call it wraps
     node = node.children[0]
   keys = var_keys(node)
   index = [k[-1] for k in keys].index(name)
@@ -192,23 +195,21 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
   box = (lambda v: _nnx.variable_holding(var_kind(node, index)[0], v)) \
       if is_nnx else (lambda v: v)
   shape, dtype = tuple(sym.aval.shape), sym.aval.dtype
-  if node.module_ty is _lora.LoRA and adapter:
+  if is_lora and adapter:
     if name.endswith('lora_b'):
       return [(tuple(_native_keys(keypath)), box(jnp.zeros(shape, dtype)))]
-    plan = _lora.kernel_plan(node.children[0], shape[-1])
+    plan = _contraction.kernel_plan(node.children[0], shape[-1])
     if isinstance(plan, str):
       raise SubstitutionError(f'init_params: {where} is a LoRA adapter, but '
                               f'its module no longer fits one: {plan}')
-    fan_in = math.prod(plan.kernel_shape[v] for v in plan.contracted) \
-        if plan.contraction.kind == 'dot_general' else math.prod(
-            plan.a_shape[:-1])
-    value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
+    value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(
+        plan.fan_in)
     return [(tuple(_native_keys(keypath)), box(value.astype(dtype)))]
   fmt = node.params.get('quant')
   if fmt not in FORMATS or not name.endswith('_scale'):
     return None
   kernel_name = name[:-len('_scale')]
-  plan = _lora.kernel_plan(node, 1)
+  plan = _contraction.kernel_plan(node, 1)
   if isinstance(plan, str) or plan.kernel_name != kernel_name:
     raise SubstitutionError(
         f'init_params: {where} is the scale of a quantized kernel, but its '
@@ -227,8 +228,15 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
   tile = None if len(shape) == len(plan.kernel_shape) else size // shape[0]
   q, scale = quantize_array(kernel, fmt, plan.contracted, tile)
   old = _get(params, kernel_path)
-  return [(tuple(kernel_path), _lora.boxed_like(old, q)),
+  return [(tuple(kernel_path), boxed_like(old, q)),
           (tuple(_native_keys(keypath)), box(scale.astype(dtype)))]
+
+
+def _is_lora_call(node: Mox) -> bool:
+  """Whether ``node`` is a call ``yax.lora`` made (its marker class
+  ``LoRA``, wrapping the adapted call as its first child)."""
+  return getattr(node.module_ty, '__name__', None) == 'LoRA' and bool(
+      node.children) and isinstance(node.children[0], Mox)
 
 
 def _get(tree, keys):
