@@ -76,3 +76,19 @@ def check_rewrite(mox):
   Every test that rewrites a tree calls this on the result."""
   yax.check_mox(mox)
   return mox
+
+
+def saved_residuals(fn, *args) -> list[str]:
+  """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
+  own ``print_saved_residuals``), sorted; the arguments and literals
+  excluded, as they take no memory of their own."""
+  import contextlib
+  import io
+
+  import jax.ad_checkpoint
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
+                if line and ' from the argument ' not in line
+                and ' from a literal' not in line)
