@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+import types
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import yax
@@ -78,11 +84,45 @@ def check_rewrite(mox):
   return mox
 
 
+@contextlib.contextmanager
+def tensorflow_placeholder():
+  """``gemma.gm.nn`` imports ``kauldron.typing``, whose ``array_types`` module
+  runs ``import tensorflow as tf`` only to name ``tf.Tensor`` in a few
+  type aliases (``TfArray``, ``TfFloat``, ...) that the Gemma model code does
+  not use. Installing TensorFlow (hundreds of MB) for that is not worth it:
+  while gemma is imported, ``tensorflow`` is a module holding a placeholder
+  ``Tensor`` class, removed again afterwards so that no other library (etils,
+  jaxtyping, transformers) sees a fake TensorFlow. A real TensorFlow, when
+  installed, is used as is."""
+  if 'tensorflow' in sys.modules or importlib.util.find_spec('tensorflow'):
+    yield
+    return
+  stub = types.ModuleType('tensorflow')
+  stub.__doc__ = 'placeholder for kauldron.typing (tests/helpers.py)'
+  stub.Tensor = type('Tensor', (), {})
+  sys.modules['tensorflow'] = stub
+  try:
+    yield
+  finally:
+    if sys.modules.get('tensorflow') is stub:
+      del sys.modules['tensorflow']
+
+
+def random_variables(model, seed, *args, **kwargs):
+  """Variables with the shapes ``model.init`` gives, filled with random
+  normals (std 0.2): faster than compiling the initializers, and no weight
+  is zero (Gemma's RMSNorm scales start at zero)."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0), *args, **kwargs)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda s: jnp.asarray(rng.normal(0.0, 0.2, s.shape).astype(s.dtype)),
+      shapes)
+
+
 def saved_residuals(fn, *args) -> list[str]:
   """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
   own ``print_saved_residuals``), sorted; the arguments and literals
   excluded, as they take no memory of their own."""
-  import contextlib
   import io
 
   import jax.ad_checkpoint

@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# Installs the real third-party model code that tests/test_real_models.py
-# (Linen: Google DeepMind `gemma`, `recurrentgemma`) and
-# tests/test_real_nnx.py (NNX: Google `tunix` Llama 3, Qwen 3, Gemma 3) run,
-# into the environment of the given Python, WITHOUT changing anything that is
-# already installed there (jax, jaxlib, flax, transformers<5, numpy, ...):
+# Installs the real third-party model code that the test suite runs into the
+# environment of the given Python, WITHOUT changing anything that is already
+# installed there (jax, jaxlib, flax, transformers<5, numpy, ...):
 #
 #   bash tests/install_real_models.sh [PYTHON]     # default: python
 #
-# Run it after `pip install -e ".[test]"`. Takes about 10-15 s and adds about
-# 25 MB here (no TensorFlow, no PyTorch). Exits non-zero if an install fails
-# or if any package that was installed before changed its version.
+# Run it after `pip install -e ".[test]"`. What it installs depends on the
+# Python version (one set of third-party model code per Python version):
 #
-# Why not plain `pip install gemma recurrentgemma google-tunix`:
-# * gemma 3.3.0 needs kauldron, whose requirements (tensorflow,
+# * Python 3.11: Google DeepMind `gemma` 3.3.0 (kauldron 1.4.2) and
+#   `recurrentgemma` (Linen: tests/test_real_models.py), Google `tunix` Llama
+#   3, Qwen 3, Gemma 3 (NNX: tests/test_real_nnx.py). About 10-15 s, 25 MB.
+# * Python >= 3.12 (where the newest JAX installs): `gemma` 4.0.1 (kauldron
+#   1.4.4; it needs Python >= 3.12 and adds Gemma 4: tests/test_gemma4.py;
+#   its Gemma 3 Transformer is what tests/test_real_models.py builds),
+#   recurrentgemma and tunix as above, and MaxText 0.2.5 (NNX decoders and
+#   their Linen bridge: tests/test_maxtext.py; it needs Python >= 3.12 too).
+#   About 1.5 min with a cold pip cache, 300 MB (no TensorFlow, no PyTorch).
+#
+# Exits non-zero if an install fails or if any package that was installed
+# before changed its version.
+#
+# Why not plain `pip install gemma recurrentgemma google-tunix maxtext`:
+# * gemma needs kauldron, whose requirements (tensorflow,
 #   tensorflow_datasets, xmanager, grain, opencv, ...) never finish resolving
 #   and would bring TensorFlow. The model code (`gemma.gm.nn`) needs only
 #   a few of them: installed with --no-deps plus those few (einops, jaxtyping,
-#   typeguard>=4, clu, lark, immutabledict, sentencepiece, chex).
-#   kauldron.typing imports tensorflow for `tf.Tensor` alone; the test puts a
-#   stub module there while it imports gemma (see test_real_models.py).
+#   typeguard>=4, clu, lark, immutabledict, sentencepiece, chex; gemma 4
+#   also ml_collections and dialog).
+#   kauldron.typing imports tensorflow for `tf.Tensor` alone; the tests put a
+#   stub module there while they import gemma (tests/helpers.py).
 # * recurrentgemma 1.0.1 pins numpy<2.4, absl-py<2 and typeguard<3; its JAX
 #   code runs with the numpy/absl already installed (--no-deps). kauldron
 #   needs typeguard>=4.4.1, which is what is installed: the test disables
@@ -29,6 +40,10 @@
 #   (`tunix.models.<family>.model`) import only jax, flax, jaxtyping and
 #   einops; the test imports them with the package __init__ stubbed
 #   (see test_real_nnx.py).
+# * maxtext 0.2.5's requirements want jax>=0.11.1 with libtpu or CUDA and
+#   google-cloud: installed with --no-deps (and tokamax, xprof, which it
+#   imports), then what `maxtext.models.models` and its config loader import
+#   (pydantic, omegaconf, qwix, aqtp, grain, ...).
 # pip would report the requirements left out above as "dependency conflicts"
 # (expected, by design): --no-warn-conflicts silences that report; the
 # check at the end is what guards the existing environment.
@@ -37,26 +52,65 @@ set -euo pipefail
 PY="${1:-python}"
 command -v "$PY" >/dev/null 2>&1 || { echo "install_real_models.sh: $PY not found" >&2; exit 1; }
 
+PY_MINOR="$("$PY" -c 'import sys; print(sys.version_info[1] if sys.version_info[0] == 3 else 0)')"
+
 # Real model code, installed without its (unresolvable or conflicting)
-# requirements.
-NO_DEPS=(
-  "gemma==3.3.0"
-  "kauldron==1.4.2"
-  "recurrentgemma==1.0.1"
-  "google-tunix==0.1.7"
-)
-# What that model code imports, installed with its own requirements, which
-# must be satisfied by what is already installed (see the constraints below).
-WITH_DEPS=(
-  "einops==0.8.2"
-  "jaxtyping==0.3.11"
-  "typeguard==4.6.1"
-  "clu==0.0.12"
-  "lark==1.3.1"
-  "immutabledict==4.3.1"
-  "sentencepiece==0.2.3"
-  "chex==0.1.92"
-)
+# requirements; then what that model code imports, installed with its own
+# requirements, which must be satisfied by what is already installed (see
+# the constraints below).
+if [ "$PY_MINOR" -ge 12 ]; then
+  NO_DEPS=(
+    "gemma==4.0.1"
+    "kauldron==1.4.4"
+    "recurrentgemma==1.0.1"
+    "google-tunix==0.1.7"
+    "maxtext==0.2.5"
+    "tokamax==0.0.15"
+    "xprof==2.24.2"
+  )
+  WITH_DEPS=(
+    "einops==0.8.2"
+    "jaxtyping==0.3.11"
+    "typeguard==4.6.1"
+    "clu==0.0.12"
+    "lark==1.3.1"
+    "immutabledict==4.3.1"
+    "sentencepiece==0.2.3"
+    "chex==0.1.92"
+    "ml-collections==1.1.0"
+    "dialog==1.1.0"
+    # MaxText
+    "pydantic==2.14.4"
+    "omegaconf==2.4.0"
+    "pathwaysutils==0.1.13"
+    "qwix==0.1.8"
+    "aqtp==0.9.0"
+    "einshape==1.0"
+    "fire==0.7.1"
+    "six==1.17.0"
+    "grain==0.2.18"
+    "drjax==0.2.1"
+    "tiktoken==0.14.0"
+    "sympy==1.14.0"
+  )
+else
+  NO_DEPS=(
+    "gemma==3.3.0"
+    "kauldron==1.4.2"
+    "recurrentgemma==1.0.1"
+    "google-tunix==0.1.7"
+  )
+  WITH_DEPS=(
+    "einops==0.8.2"
+    "jaxtyping==0.3.11"
+    "typeguard==4.6.1"
+    "clu==0.0.12"
+    "lark==1.3.1"
+    "immutabledict==4.3.1"
+    "sentencepiece==0.2.3"
+    "chex==0.1.92"
+  )
+fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

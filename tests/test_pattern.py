@@ -821,6 +821,17 @@ def test_unusable_patterns_raise_pattern_error(pattern, message):
     yax.match(pattern, mox)
 
 
+@pytest.mark.parametrize('pattern, message', [
+    (lambda x, y: (jnp.sin(x), jnp.cos(y)), 'not connected'),
+    (lambda x, y: jnp.sin(x), 'input 1 .* is not read'),
+])
+def test_unusable_patterns_are_refused_without_a_candidate(pattern, message):
+  """Validated before any search: the tree holds no sin or cos."""
+  mox = yax.make_mox(lambda x: jnp.exp(x) * 2.0)(jnp.ones(3))
+  with pytest.raises(yax.PatternError, match=message):
+    yax.match(pattern, mox)
+
+
 def test_sub_rejects_matches_of_another_tree_and_leaves_the_tree_intact():
   f = lambda x: jnp.tanh(exact_gelu(x))
   mox_a = yax.make_mox(f)(jnp.ones(3))

@@ -135,6 +135,42 @@ def test_nnx_int8_on_the_split_form():
                              **TOL)
 
 
+def test_nnx_state_with_an_rng_stream_counts_its_key_bytes():
+  """A state holding an RNG stream (nnx.Dropout's ``rngs``, as MaxText's
+  unrematerialized decoders keep one) has key leaves (``key<fry>``, an
+  extended dtype NumPy cannot interpret): ``nbytes`` counts each key as the
+  bytes of its key data and the quantized kernel's saving is exact."""
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 8, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.lin(x), deterministic=True)
+
+  model = Net(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  graphdef, state = nnx.split(model)
+  keys = [k for k in jax.tree.leaves(state)
+          if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)]
+  assert keys  # the stream's key is in the state
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  q = yax.quantize(mox, state, '//module_call[@type="Linear"]', weight='int8')
+  ref = nnx.split(model)[1]
+  ref['lin']['kernel'].value = reference(state['lin']['kernel'][...], 'int8',
+                                         (0,))
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x), run(ref, x),
+                             **TOL)
+  before, after = q.nbytes
+  arrays = sum(np.asarray(v).nbytes for v in jax.tree.leaves(state)
+               if not jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key))
+  key_bytes = sum(jax.random.key_data(k).nbytes for k in keys)
+  assert before == arrays + key_bytes
+  # The 6x8 float32 kernel becomes int8 plus 8 float32 scales.
+  assert before - after == 6 * 8 * 4 - 6 * 8 - 8 * 4
+
+
 def test_hf_gpt2_and_bert_int8():
   from transformers import (BertConfig, FlaxBertModel, FlaxGPT2LMHeadModel,
                             GPT2Config)

@@ -13,7 +13,6 @@ missing the test fails if ``CI`` is set (a silent skip in CI is a defect),
 and is skipped with the reason otherwise.
 """
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -27,7 +26,8 @@ import numpy as np
 import pytest
 
 import yax
-from helpers import assert_trees_close, jit_call
+from helpers import (assert_trees_close, jit_call, random_variables,
+                     tensorflow_placeholder)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 INSTALL = 'bash tests/install_real_models.sh'
@@ -46,30 +46,6 @@ def _missing(what: str, err: BaseException):
 
 # ----------------------------------------------------------------- imports
 
-@contextlib.contextmanager
-def _tensorflow_placeholder():
-  """``gemma.gm.nn`` imports ``kauldron.typing``, whose ``array_types`` module
-  runs ``import tensorflow as tf`` only to name ``tf.Tensor`` in a few
-  type aliases (``TfArray``, ``TfFloat``, ...) that the Gemma model code does
-  not use. Installing TensorFlow (hundreds of MB) for that is not worth it:
-  while gemma is imported, ``tensorflow`` is a module holding a placeholder
-  ``Tensor`` class, removed again afterwards so that no other library (etils,
-  jaxtyping, transformers) sees a fake TensorFlow. A real TensorFlow, when
-  installed, is used as is."""
-  if 'tensorflow' in sys.modules or importlib.util.find_spec('tensorflow'):
-    yield
-    return
-  stub = types.ModuleType('tensorflow')
-  stub.__doc__ = 'placeholder for kauldron.typing (tests/test_real_models.py)'
-  stub.Tensor = type('Tensor', (), {})
-  sys.modules['tensorflow'] = stub
-  try:
-    yield
-  finally:
-    if sys.modules.get('tensorflow') is stub:
-      del sys.modules['tensorflow']
-
-
 def import_gemma():
   """``gemma.gm`` (its ``nn`` namespace loads lazily: touched here, under
   the placeholder, so that every module the model needs is imported)."""
@@ -78,7 +54,7 @@ def import_gemma():
   # own is put back, so that every other test sees Flax as it is.
   param = nn.Module.param
   try:
-    with _tensorflow_placeholder():
+    with tensorflow_placeholder():
       from gemma import gm
       from gemma.gm.nn import _modules  # the FeedForward's GELU lives here
       gm.nn.Transformer, gm.nn.config.TransformerConfig, gm.nn.AttentionType
@@ -116,17 +92,6 @@ def import_recurrentgemma():
 
 
 # ----------------------------------------------------------------- helpers
-
-def random_variables(model, seed, *args, **kwargs):
-  """Variables with the shapes ``model.init`` gives, filled with random
-  normals (std 0.2): faster than compiling the initializers, and no weight
-  is zero (Gemma's RMSNorm scales start at zero)."""
-  shapes = jax.eval_shape(model.init, jax.random.key(0), *args, **kwargs)
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(
-      lambda s: jnp.asarray(rng.normal(0.0, 0.2, s.shape).astype(s.dtype)),
-      shapes)
-
 
 def n_params(variables) -> int:
   return sum(int(np.size(x)) for x in jax.tree.leaves(variables['params']))
@@ -324,6 +289,48 @@ def test_gemma_lora_identity_and_merge(gemma):
                       'gating_einsum_lora_b', 'linear_lora_a', 'linear_lora_b'}
   assert mlp['linear_lora_a'].shape == (hidden, 2)
   assert mlp['linear_lora_b'].shape == (2, 32)
+
+
+def _int8_reference(w, contracted):
+  """``w`` rounded to int8 with one absmax scale per output channel (over
+  the ``contracted`` axes), written here independently of yax."""
+  w = np.asarray(w, np.float32)
+  absmax = np.abs(w).max(axis=contracted, keepdims=True)
+  scale = np.where(absmax > 0, absmax / 127.5, 1.0)
+  x = np.where(np.abs(w) == absmax, np.sign(w) * 127.5, w / scale)
+  return np.clip(np.round(x), -128, 127) * scale
+
+
+def test_gemma_quantize_matches_the_dequantized_model(gemma):
+  # gemma's Transformer.__call__ runs under nn.jit: every Einsum sits in a
+  # lifted body.
+  q = yax.quantize(gemma.mox, gemma.variables,
+                   '//module_call[@type="Einsum"]', weight='int8')
+  layers = gemma.config.num_layers
+  assert len(q.paths) == 4 * layers  # q, kv, out; the FFW's shared scope
+  # The reference: every Einsum kernel rounded here, the model run by
+  # gemma itself. Contracted axes: q NDH: D; kv CKDH: D; out NHD: N, H;
+  # the FFW's (transposed) gating 2FD: D and linear FD: F.
+  contracted = {'q_einsum': (1,), 'kv_einsum': (2,), 'attn_vec_einsum': (0, 1),
+                'gating_einsum': (2,), 'linear': (0,)}
+  reference = jax.tree.map(lambda x: x, gemma.variables)
+  for i in range(layers):
+    layer = reference['params'][f'layer_{i}']
+    for name in ('q_einsum', 'kv_einsum', 'attn_vec_einsum'):
+      layer['attn'][name]['w'] = jnp.asarray(_int8_reference(
+          layer['attn'][name]['w'], contracted[name]))
+    for name in ('gating_einsum', 'linear'):
+      layer['mlp'][name] = jnp.asarray(_int8_reference(
+          layer['mlp'][name], contracted[name]))
+    stored = q.params['params'][f'layer_{i}']
+    assert stored['attn']['q_einsum']['w'].dtype == jnp.int8
+    assert stored['mlp']['linear'].dtype == jnp.int8
+  want = gemma.call(reference, *gemma.args)
+  got = yax.eval_mox(q.mox, q.params, *gemma.args)
+  assert_trees_close(got, want, **TOL)
+  assert_trees_close(q.dequantize(q.params), reference, **TOL)
+  before, after = q.nbytes
+  assert after < before
 
 
 def test_gemma_summary_counts_every_parameter(gemma):

@@ -15,7 +15,6 @@ import threading
 from typing import Any
 
 import jax
-import numpy as np
 
 from yax import _markers
 from yax._compat import get_opaque_trace_state
@@ -25,13 +24,12 @@ tree_unflatten = jax.tree_util.tree_unflatten
 
 
 def is_traced_value(x) -> bool:
-  """Inside a module call only arrays and tracers flow through markers;
-  Python scalars passed to a module are static (e.g. ``deterministic=True``)."""
-  if isinstance(x, jax.core.Tracer):  # first: the common case, and cheap
-    return True
-  if isinstance(x, np.ndarray):
-    return x.dtype != object
-  return isinstance(x, jax.Array)
+  """Inside a module call only JAX values (arrays and tracers) flow through
+  markers. Everything else passed to a module method reaches it unchanged,
+  as under plain Flax: Python scalars (``deterministic=True``) and NumPy
+  arrays (a model may compute on the host with them, e.g. a mel filterbank
+  built in ``setup``; a float64 NumPy helper stays float64)."""
+  return isinstance(x, (jax.core.Tracer, jax.Array))
 
 
 @dataclasses.dataclass(eq=False)  # compared and hashed by identity

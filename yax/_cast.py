@@ -145,6 +145,13 @@ def _recast(node: Mox, dtype, output) -> Mox:
   try:
     root = make_mox(run)(variables, args, kwargs)
   except Exception as e:  # noqa: BLE001 - reported with the module's name
+    # A call traced under a batching transform (nn.vmap) holds its
+    # variables and inputs stacked, which the module's own code does not
+    # take: its traced (batched) body is run again instead.
+    try:
+      return _replayed(node, dtype)
+    except _Refused:
+      pass
     raise _Refused(f'tracing it again at {dtype.name} raised '
                    f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
         from None

@@ -32,7 +32,11 @@ from typing import Any
 import jax.extend.core as jex
 
 from yax import _rules
-from yax._ir import Literal, Mox, Symbol
+from yax._formats import FORMATS
+from yax._ir import Equation, Literal, Mox, Symbol, iter_nodes
+from yax._sub import describe
+from yax._errors import SubstitutionError
+from yax._variables import var_entries, var_keys
 
 CONTRACTIONS = ('dot_general', 'conv_general_dilated')
 # Equations a kernel may pass through on its way to the contraction: they
@@ -331,3 +335,209 @@ def reads(node: Mox, sym: Symbol) -> bool:
   target = flat.canon(sym)
   return any(not _is_literal(s) and s is target
              for eqn in flat.eqns for s in eqn.inputs)
+
+
+# ------------------------------------------------- kernel plans
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """How one module call contracts its kernel, and what a rewrite of the
+  kernel needs: the rank-``r`` factor shapes of a kernel change, in the
+  kernel's own axis order (LoRA's adapters; quantization's scales reduce
+  the ``a_axes``).
+
+  ``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
+  axes]`` for a ``dot_general``; ``A: [*kernel axes but the output feature,
+  rank]`` (the window and input features) and ``B: [rank, out]`` for a
+  convolution.
+  """
+  contraction: Contraction
+  kernel_keys: tuple  # ('params', 'kernel'), ('nnx', 'w') ...
+  kernel_shape: tuple
+  a_shape: tuple
+  b_shape: tuple
+  a_axes: tuple  # kernel axis of each axis of A (None: the rank)
+  b_axes: tuple
+  names: tuple = ()  # the new variables' names (LoRA's adapters)
+  # Where the adapters live: the module path (None: the node's own), and,
+  # for a call-site adapter, why merging it into the kernel is refused.
+  place: tuple | None = None
+  tied: str | None = None
+  # The storage format of a kernel quantized by yax.quantize (merge then
+  # returns float params for the tree quantize started from).
+  quant: str | None = None
+
+  @property
+  def kernel_name(self) -> str:
+    return self.kernel_keys[-1]
+
+  @property
+  def contracted(self) -> tuple:
+    """The kernel axes its contraction reduces (a per-output-channel
+    scale's size-1 axes)."""
+    return tuple(v for v in self.a_axes if v is not None)
+
+
+def _own_params(node: Mox) -> list[int]:
+  """Variable input positions of the module's own parameters."""
+  return [i for i, e in enumerate(var_entries(node))
+          if len(e.rel_path) == 1 and e.is_param]
+
+
+def own_param_names(node: Mox) -> set:
+  """Names of the module's own parameters (``kernel``, ``bias`` ...)."""
+  entries = var_entries(node)
+  return {entries[i].name for i in _own_params(node)}
+
+
+def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
+  """How ``node`` contracts its one kernel, or why it has none a rewrite
+  of the kernel fits."""
+  keys = var_keys(node)
+  candidates = [i for i in _own_params(node)
+                if node.var_inputs[i].aval is not None
+                and node.var_inputs[i].aval.ndim >= 2]
+  found, reasons = [], []
+  for i in sorted(candidates, key=lambda i: keys[i][-1] != 'kernel'):
+    got = find(node, i)
+    (found if isinstance(got, Contraction) else reasons).append(
+        (i, got))
+  if not found:
+    if reasons:
+      i, why = reasons[0]
+      return (f"its kernel {'/'.join(keys[i])}:"
+              f'{node.var_inputs[i].type_str} cannot carry an adapter: {why}')
+    listed = ', '.join('/'.join(k) + ':' + s.type_str
+                       for k, s in zip(keys, node.var_inputs, strict=True))
+    return ('it has no parameter of 2 or more axes that reaches a '
+            'dot_general or convolution (a kernel); its variables are '
+            f"[{listed or 'none'}]")
+  if len(found) > 1:
+    names = ', '.join('/'.join(keys[i]) for i, _ in found)
+    return (f'it contracts several kernels ({names}); select the modules '
+            'that hold one kernel each')
+  index, c = found[0]
+  shape = tuple(node.var_inputs[index].aval.shape)
+  if c.kind == 'dot_general':
+    (lc, rc), _ = c.dimension_numbers
+    kc = (lc, rc)[c.kernel_side]
+    contracted = sorted(c.perm[a] for a in kc)
+    other = [v for v in range(len(shape)) if v not in contracted]
+    a_axes, b_axes = (*contracted, None), (None, *other)
+  else:
+    out = c.dimension_numbers.rhs_spec[0]
+    a_axes = (*(v for v in range(len(shape)) if v != out), None)
+    b_axes = (None, out)
+  size = lambda axes: tuple(rank if v is None else shape[v] for v in axes)
+  quant = node.params.get('quant')
+  quant = quant if quant in FORMATS else None
+  if c.scaled and quant is None:
+    return (f"its kernel {'/'.join(keys[index])} is multiplied by another "
+            'value before its contraction (a computed kernel that merge '
+            'could not update)')
+  return KernelPlan(c, keys[index], shape, size(a_axes), size(b_axes),
+                    a_axes, b_axes, quant=quant)
+
+
+def kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
+  """(root key path of the kernel ``sym``, None) or (None, why it has
+  none)."""
+  chain = list(ancestors)
+  i = len(chain) - 1
+  while i >= 1:
+    body, eqn = chain[i], chain[i - 1]
+    if not isinstance(eqn, Equation):
+      i -= 1
+      continue
+    positions = [j for j, s in enumerate(body.inputs) if s is sym]
+    if not positions:
+      return None, f'computed inside the body of {describe(eqn)}'
+    index = [id(c) for c in eqn.children].index(id(body))
+    sym = _rules.body_input_sources(eqn, index)[positions[0]]
+    i -= 2
+  if sym in keypaths:
+    return keypaths[sym], None
+  if any(sym is c for c in chain[0].constvars):
+    return None, 'a constant captured by the trace'
+  return None, 'computed in the model'
+
+
+def kernel_holders(mox: Mox) -> dict:
+  """Parameter symbol -> the module calls that hold it as their own
+  parameter (several: a module called twice, Embed's lookup and attend, a
+  Param tied across NNX modules)."""
+  holders: dict = {}
+  for node in iter_nodes(mox):
+    if isinstance(node, Mox) and not node.is_ephemeral:
+      for entry in var_entries(node):
+        if len(entry.rel_path) == 1:
+          holders.setdefault(entry.symbol, []).append(node)
+  return holders
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """One selected module call, as the kernel rewrites see it.
+
+  Attributes:
+    node: the module call.
+    plan: how it contracts its kernel (None where it has no such kernel).
+    why: why it has none (None where ``plan`` is given).
+    keypath: the kernel's key path in the root arguments (None where it is
+      not read from them: computed in the model, see ``source``).
+    source: why the kernel has no key path (None where it has one).
+    own: the kernel is the parameter at the call's own path
+      (``(*collection prefix, *module path, kernel name)``).
+  """
+  node: Mox
+  plan: KernelPlan | None
+  why: str | None
+  keypath: tuple | None
+  source: str | None
+  own: bool
+
+
+def plan_kernels(chosen, tool: str, rank: int = 1) -> list[Target]:
+  """The kernel of every module call of the selection ``chosen`` (a
+  ``Selection``): its plan and where it comes from, looked for through
+  the bodies of lifted transforms (``nn.jit``, ``nn.scan`` ...). Raises
+  ``SubstitutionError`` naming ``tool`` where the selection holds
+  something else than module calls."""
+  keypaths, collections = chosen.keypaths, chosen.collections
+  out = []
+  for node in chosen.targets:
+    if not isinstance(node, Mox) or node.is_ephemeral:
+      raise SubstitutionError(
+          f'{tool} selects module calls, but {chosen.description} matched '
+          f'{describe(node)}')
+    plan = kernel_plan(node, rank)
+    if isinstance(plan, str):
+      out.append(Target(node, None, plan, None, None, False))
+      continue
+    kernel = node.var_inputs[plan.contraction.kernel_index]
+    keypath, source = kernel_source(kernel, chosen.ancestors[id(node)],
+                                    keypaths)
+    prefix = collections.get(plan.kernel_keys[0])
+    own = (keypath is not None and prefix is not None and
+           same_place(keypath, (*prefix, *node.path, *plan.kernel_keys[1:])))
+    out.append(Target(node, plan, None, keypath, source, own))
+  return out
+
+
+def same_place(keypath: tuple, place: tuple) -> bool:
+  """Whether a root key path is ``place`` (module paths are strings, a
+  key path may hold the int index of a list)."""
+  return len(keypath) == len(place) and all(
+      k == p or str(k) == str(p) for k, p in zip(keypath, place, strict=True))
+
+
+def other_readers(holders: dict, chosen, target: Target) -> list[Mox]:
+  """Module calls other than ``target.node`` (and the calls around it)
+  whose bodies read its kernel: a module called twice, Embed's lookup
+  next to its attend, a Param tied across NNX modules."""
+  node = target.node
+  kernel = node.var_inputs[target.plan.contraction.kernel_index]
+  inside = {id(n) for n in iter_nodes(node)}
+  above = {id(a) for a in chosen.ancestors[id(node)]}
+  return [h for h in holders.get(kernel, ())
+          if id(h) not in inside and id(h) not in above and reads(h, kernel)]

@@ -152,7 +152,7 @@ def to_model_explorer(mox: Mox, *, graph_id: str = 'yax'):
   # Constants of the root (arrays the traced function closes over; the
   # variables of a module reached only through a closure): every value
   # has the node that produces it.
-  for k, (s, value) in enumerate(zip(mox.constvars, mox.consts)):
+  for k, (s, value) in enumerate(zip(mox.constvars, mox.consts, strict=True)):
     if id(s) in producer:
       continue
     if id(s) in var_ids:

@@ -27,7 +27,8 @@ from yax import _nnx
 from yax._containers import set_many
 from yax._errors import SubstitutionError
 from yax._ir import Mox, Symbol, iter_nodes
-from yax._sub import NNX_GROUP, collections_of, var_keys, var_kind
+from yax._sub import collections_of
+from yax._variables import NNX_GROUP, var_keys, var_kind
 
 
 def _declared(mox: Mox) -> dict:

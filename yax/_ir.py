@@ -20,7 +20,6 @@ import copy
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from yax._errors import YaxError
 
@@ -339,9 +338,3 @@ def leaf_equations(expr: Expr) -> Iterator[Equation]:
       yield from leaf_equations(child)
     else:
       yield child
-
-
-def is_array_like(x) -> bool:
-  """Leaves that are dynamic inputs: arrays, tracers and Python numbers."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) \
-      and not isinstance(x, bool) or isinstance(x, jax.core.Tracer)

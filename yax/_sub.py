@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence, Union
+import weakref
+from typing import Callable, Sequence, Union
 
 import jax
 from jax import tree_util as jtu
@@ -32,6 +33,9 @@ from yax import _lower, _nnx, _rules
 from yax._containers import set_in
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, iter_nodes
+from yax._variables import (NNX_GROUP, VarEntry, key_name, location,
+                            unboxed_path, var_entries, var_keys, var_kind,
+                            with_variables)
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -49,81 +53,19 @@ def _where(node: Expr, path: tuple = ()) -> str:
           f"'{'/'.join(path) or '<root>'}'")
 
 
-def _key_name(key) -> Any:
-  """The dict key, attribute name or index of one step of a key path."""
-  if isinstance(key, (jtu.DictKey, jtu.FlattenedIndexKey)):
-    return key.key
-  if isinstance(key, jtu.GetAttrKey):
-    return key.name
-  if isinstance(key, jtu.SequenceKey):
-    return key.idx
-  raise SubstitutionError(
-      f'internal: a key path step of unknown kind {type(key).__name__} '
-      f'({key!r}); expected DictKey, GetAttrKey, SequenceKey or '
-      'FlattenedIndexKey')
-
-
-# The variable group of NNX variables: an NNX model keeps all its Variables
-# in one state (an ``nnx.State`` or the module itself), where Linen splits
-# them into collections. A location ``('nnx', *module path, *name)`` is the
-# Variable's place in that state.
-NNX_GROUP = 'nnx'
-
-
-def var_keys(mox: Mox) -> list[tuple]:
-  """``(group, *name)`` of each variable input of a module call, Linen and
-  NNX alike: ``('params', 'kernel')`` for a Linen Dense, ``('nnx',
-  'kernel')`` for an NNX Linear, ``('nnx', 'lin', 'kernel')`` for a
-  submodule's Variable an NNX call reads."""
-  if mox.num_vars == 0:
-    return []
-  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
-  keys = [tuple(str(_key_name(k)) for k in _unboxed_path(kp))
-          for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-  if isinstance(placeholders, _nnx.VariableTree):
-    return [(NNX_GROUP, *k) for k in keys]
-  return keys
-
-
-def var_kind(mox: Mox, index: int) -> tuple[str, bool]:
-  """``(kind, is_param)`` of variable input ``index``: the Linen
-  collection, or the NNX Variable type (``nnx.Param`` subclasses are
-  parameters)."""
-  tree = jtu.tree_unflatten(mox.var_tree, [None] * mox.num_vars)
-  if isinstance(tree, _nnx.VariableTree):
-    return tree.kinds[index], tree.flags[index][0]
-  col = var_keys(mox)[index][0]
-  return col, col == 'params'
-
-
-def _unboxed_path(keypath: tuple) -> tuple:
-  """A key path without the ``value`` field of the box that holds the
-  array (a Linen ``nn.Partitioned``, an NNX Variable)."""
-  if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
-      keypath[-1].name == 'value':
-    return keypath[:-1]
-  return keypath
-
-
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
   placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
   out = {}
   for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(_key_name(k) for k in _unboxed_path(keypath))
+    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
   return out
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
   """(location, symbol) for each variable input of a module call."""
-  return [((keys[0], *mox.path, *keys[1:]), sym)
-          for keys, sym in zip(var_keys(mox), mox.var_inputs, strict=True)]
-
-
-def _insert(tree, keys: Sequence, value):
-  """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
-  return set_in(tree, keys, value)
+  return [(location(mox, e), e.symbol) for e in var_entries(mox)]
 
 
 def _same_type(a: Symbol, b: Symbol) -> bool:
@@ -142,6 +84,83 @@ def _same_nodes(new: Sequence, old: Sequence) -> bool:
 def non_literals(symbols) -> list[Symbol]:
   """The symbols that are not literals, in order."""
   return [s for s in symbols if not isinstance(s, Literal)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """Where a tree's variables sit in its root arguments, found once per
+  tree (:func:`locate`).
+
+  Attributes:
+    keypaths: root input symbol -> its key path in ``(args, kwargs)``.
+    locs: variable location ``(collection, *module path, *name)`` -> the
+      root-scope symbol that module calls read it as.
+    collections: collection -> the key path prefix it sits under
+      (``(0, 0, 'params')`` for ``model.apply(variables, x)``).
+    used_paths: every module path in use (calls and variable places).
+  """
+  keypaths: dict
+  locs: dict
+  collections: dict
+  used_paths: frozenset
+
+
+_located: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def locate(root: Mox) -> Located:
+  """The :class:`Located` facts of ``root`` (cached: trees are
+  immutable)."""
+  found = _located.get(root)
+  if found is None:
+    found = _locate(root)
+    _located[root] = found
+  return found
+
+
+def _locate(root: Mox) -> Located:
+  keypaths = root_keypaths(root)
+  locs: dict[Loc, Symbol] = {}
+  prefix: dict[str, tuple] = {}
+  # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
+  # input stands for the equation input it receives (``alias``).
+  stack = [(c, {}) for c in root.children]
+  # Where each collection sits: the prefix most variables agree on (the
+  # root call of a nested Module.apply reads weights of another module
+  # under a path of its own: it must not decide).
+  votes: dict[str, collections.Counter] = {}
+  all_locs: set = set()
+  while stack:
+    node, alias = stack.pop()
+    if isinstance(node, Equation):
+      for index, body in enumerate(node.children):
+        outer = _rules.body_input_sources(node, index)
+        inner = {b: alias.get(o, o)
+                 for b, o in zip(body.inputs, outer, strict=True)}
+        stack.extend((c, {**alias, **inner}) for c in body.children)
+      continue
+    stack.extend((c, alias) for c in node.children)
+    if node.is_ephemeral:
+      continue
+    for loc, sym in _var_locs(node):
+      all_locs.add(loc)
+      keypath = keypaths.get(alias.get(sym, sym))
+      if keypath is None:
+        continue  # not read from the arguments (computed inside fn)
+      if not alias:  # a symbol of the root scope
+        locs.setdefault(loc, sym)
+      tail = tuple(loc[1:])
+      if len(keypath) > len(tail) and tuple(
+          str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
+        votes.setdefault(loc[0], collections.Counter())[
+            tuple(keypath[:len(keypath) - len(tail)])] += 1
+  used_paths = {tuple(n.path) for n in iter_nodes(root)
+                if isinstance(n, Mox) and not n.is_ephemeral}
+  for loc in all_locs:
+    used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
+  for collection, counts in votes.items():
+    prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+  return Located(keypaths, locs, prefix, frozenset(used_paths))
 
 
 @dataclasses.dataclass
@@ -186,58 +205,14 @@ class _Substitution:
     self.ren: dict[Symbol, Symbol] = {}
     self.stack: list[_Frame] = []
     self.added: dict[Loc, Var] = {}  # new variables by location
+    self.retyped: dict[tuple, Var] = {}  # by root key path, once finished
     # NNX: the Variable type of each new variable, by location.
     self.kinds: dict[Loc, str] = {}
     # Per enclosing module call: how many sites of each replacement type.
     self.site_counts: dict[int, dict[str, int]] = {}
-    self._index_root()
-
-  # -- where variables live in the root arguments
-
-  def _index_root(self):
-    root = self.root
-    self.keypaths = root_keypaths(root)
-    self.locs: dict[Loc, Symbol] = {}
-    self.prefix: dict[str, tuple] = {}  # collection -> root keypath prefix
-    # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
-    # input stands for the equation input it receives (``alias``).
-    stack = [(c, {}) for c in root.children]
-    # Where each collection sits: the prefix most variables agree on (the
-    # root call of a nested Module.apply reads weights of another module
-    # under a path of its own: it must not decide).
-    votes: dict[str, collections.Counter] = {}
-    all_locs: set = set()
-    while stack:
-      node, alias = stack.pop()
-      if isinstance(node, Equation):
-        for index, body in enumerate(node.children):
-          outer = _rules.body_input_sources(node, index)
-          inner = {b: alias.get(o, o) for b, o in zip(body.inputs, outer)}
-          stack.extend((c, {**alias, **inner}) for c in body.children)
-        continue
-      stack.extend((c, alias) for c in node.children)
-      if node.is_ephemeral:
-        continue
-      for loc, sym in _var_locs(node):
-        all_locs.add(loc)
-        keypath = self.keypaths.get(alias.get(sym, sym))
-        if keypath is None:
-          continue  # not read from the arguments (computed inside fn)
-        if not alias:  # a symbol of the root scope
-          self.locs.setdefault(loc, sym)
-        tail = tuple(loc[1:])
-        if len(keypath) > len(tail) and tuple(
-            str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-          votes.setdefault(loc[0], collections.Counter())[
-              tuple(keypath[:len(keypath) - len(tail)])] += 1
-
-    # Every module path in use: module calls and where variables sit.
-    self.used_paths = {tuple(n.path) for n in iter_nodes(root)
-                       if isinstance(n, Mox) and not n.is_ephemeral}
-    for loc in all_locs:
-      self.used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
-    for collection, counts in votes.items():
-      self.prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+    found = locate(root)
+    self.keypaths, self.locs = found.keypaths, found.locs
+    self.prefix, self.used_paths = found.collections, found.used_paths
 
   # -- the walk
 
@@ -305,45 +280,18 @@ class _Substitution:
                         module_ty=None)
 
   def _grow_vars(self, node: Mox, var_inputs, new_vars):
-    tree = jtu.tree_unflatten(node.var_tree, var_inputs) if node.num_vars else {}
+    """The call's variables with the new ones of its scope added."""
     n = len(node.path)
-    if isinstance(tree, _nnx.VariableTree) or any(
-        loc[0] == NNX_GROUP for loc, _ in new_vars):
-      return self._grow_nnx_vars(node, var_inputs, new_vars)
+    added = []
     for loc, sym in new_vars:
       if tuple(loc[1:1 + n]) != node.path:
         continue  # the variable lives outside this module's scope
-      tree = _insert(tree, (loc[0], *loc[1 + n:]), sym)
-    leaves, var_tree = jtu.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
-    return leaves, var_tree
-
-  def _grow_nnx_vars(self, node: Mox, var_inputs, new_vars):
-    """NNX: new Variables join the call's typed variable tree."""
-    n = len(node.path)
-    entries, leaves = [], []
-    if node.num_vars:
-      tree = jtu.tree_unflatten(node.var_tree, var_inputs)
-      for keys, sym, kind, flags in zip(
-          var_keys(node), var_inputs, tree.kinds, tree.flags, strict=True):
-        entries.append((keys[1:], (kind, *flags)))
-        leaves.append(sym)
-    seen = {e[0] for e in entries}
-    for loc, sym in new_vars:
       rel = tuple(loc[1 + n:])
-      if loc[0] != NNX_GROUP or tuple(loc[1:1 + n]) != node.path or \
-          rel in seen:
-        continue
-      seen.add(rel)
-      kind = self.kinds.get(loc, 'Param')
-      entries.append((rel, (kind, _nnx.is_param_kind(kind), len(rel) == 1)))
-      leaves.append(sym)
-    treedef = _nnx.variable_treedef(entries)
-    order = {rel: i for i, (rel, _) in enumerate(entries)}
-    flat = jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, range(len(entries))))[0]
-    ordered = [leaves[order[tuple(str(_key_name(k)) for k in kp)]]
-               for kp, _ in flat]
-    return ordered, treedef
+      kind = self.kinds.get(loc, 'Param') if loc[0] == NNX_GROUP else loc[0]
+      is_param = (_nnx.is_param_kind(kind) if loc[0] == NNX_GROUP
+                  else kind == 'params')
+      added.append(VarEntry(loc[0], kind, rel, is_param, len(rel) == 1, sym))
+    return with_variables(node, var_inputs, added)
 
   def _grow_args(self, in_tree, arg_inputs, new_args):
     if not new_args:
@@ -362,11 +310,13 @@ class _Substitution:
       return eqn.replace(inputs=inputs)
     where = _where(eqn, self.enclosing_path())
     bodies, needed, const_values = [], [], {}
-    for index, (body, form) in enumerate(zip(eqn.children, eqn.body_forms)):
+    for index, (body, form) in enumerate(
+        zip(eqn.children, eqn.body_forms, strict=True)):
       frame = _Frame(body, [], [], is_body=True)
       self.stack.append(frame)
       children = self.rebuild_children(body.children)
       self.stack.pop()
+      body = self._retype_body_inputs(eqn, index, body, inputs)
       if frame.new_args:
         raise SubstitutionError(
             f'the replacement inside the body of {where} needs '
@@ -425,6 +375,35 @@ class _Substitution:
     if inputs == eqn.inputs and _same_nodes(bodies, eqn.children):
       return eqn
     return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
+
+  def _retype_body_inputs(self, eqn: Equation, index: int, body: Mox,
+                          inputs: list) -> Mox:
+    """A body input that a replacement inside retyped (a kernel stored
+    quantized) makes the equation input it receives retyped too: same
+    shape (stacked, for a scan), the new dtype. ``inputs`` (the
+    equation's, renamed) is updated in place."""
+    if not self.retype or not any(s in self.ren for s in body.inputs):
+      return body
+    positions = _rules.body_input_positions(eqn, index)
+    new_inputs = []
+    for sym, pos in zip(body.inputs, positions, strict=True):
+      new = self.ren.get(sym)
+      if new is None:
+        new_inputs.append(sym)
+        continue
+      outer = eqn.inputs[pos]
+      renamed = self.ren.get(outer)
+      if renamed is None:
+        renamed = Var(outer.aval.update(dtype=new.aval.dtype))
+        self.ren[outer] = renamed
+      elif renamed.aval.dtype != new.aval.dtype:
+        raise SubstitutionError(
+            f'cannot substitute inside {_where(eqn, self.enclosing_path())}: '
+            f'its input {pos} is read as {renamed.type_str} and as '
+            f'{new.type_str} by two replacements')
+      inputs[pos] = renamed
+      new_inputs.append(new)
+    return body.replace(inputs=new_inputs)
 
   def _sibling_position(self, body: Mox, loc) -> int | None:
     """Position among the body inputs of a variable in the same module."""
@@ -662,7 +641,7 @@ class _Substitution:
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
-        placeholders = _insert(placeholders, (*prefix, *loc[1:]), value)
+        placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:
         args, kwargs = placeholders
         placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
@@ -676,6 +655,10 @@ class _Substitution:
         placeholders = (args, {**kwargs, **frame.named})
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
+    # Variables read in another type now (quantized kernels), by key path.
+    self.retyped = {self.keypaths[old]: new for old, new in zip(
+        root.inputs, (self.rename(s) for s in root.inputs), strict=True)
+                    if new is not old and old in self.keypaths}
     outputs = [self.rename(s) for s in root.outputs]
     constvars = list(root.constvars) + [v for v, _ in frame.new_consts]
     consts = list(root.consts) + [c for _, c in frame.new_consts]
@@ -696,12 +679,15 @@ def _unwrap_traced_module(root: Mox):
 
 
 class _Copier:
-  """Copies a replacement with fresh symbols, wired through ``wiring``."""
+  """Copies a replacement with fresh symbols, wired through ``wiring``;
+  ``fixed`` names the symbol a copy defines in place of a fresh one."""
 
-  def __init__(self, wiring: dict, node: Expr, where: str = ''):
+  def __init__(self, wiring: dict, node: Expr, where: str = '',
+               fixed: dict | None = None):
     self.map = dict(wiring)
     self.node = node
     self.where = where or _where(node)
+    self.fixed = {} if fixed is None else fixed
 
   def read(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
@@ -718,7 +704,9 @@ class _Copier:
   def define(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
       return sym
-    new = Var(sym.aval, dropped=sym.dropped)
+    new = self.fixed.pop(sym, None)
+    if new is None:
+      new = Var(sym.aval, dropped=sym.dropped)
     self.map[sym] = new
     return new
 
@@ -726,7 +714,8 @@ class _Copier:
     if isinstance(expr, Equation):
       inputs = [self.read(s) for s in expr.inputs]
       # Bodies of sub-jaxprs are closed: copy them with their own symbols.
-      bodies = [_Copier({}, self.node, self.where).copy_closed(b) for b in expr.children]
+      bodies = [_Copier({}, self.node, self.where).copy_closed(b)
+                for b in expr.children]
       outputs = [self.define(s) for s in expr.outputs]
       return expr.replace(inputs=inputs, outputs=outputs, children=bodies)
     inputs = [self.read(s) for s in expr.inputs]
@@ -739,6 +728,35 @@ class _Copier:
       self.define(s)
     return self.copy(body).replace(
         constvars=[self.map[s] for s in body.constvars])
+
+
+def inline(traced: Mox, inputs, outputs=None) -> list[Expr]:
+  """The nodes of ``traced`` (the root of ``make_mox(f)(...)``), copied
+  with fresh symbols to be spliced into another scope: they read
+  ``inputs`` where ``traced`` reads its non-literal inputs, and its
+  constants as the same symbols (whoever splices them keeps
+  ``traced.constvars``/``consts`` in scope). With ``outputs``, the copies
+  define those symbols where ``traced`` defines its outputs (each output
+  must be computed by ``traced``, not one of its inputs)."""
+  params = non_literals(traced.inputs)
+  if len(params) != len(inputs):
+    raise SubstitutionError(
+        f'internal: a traced function of {len(params)} inputs spliced with '
+        f'{len(inputs)}')
+  wiring = dict(zip(params, inputs, strict=True))
+  wiring.update((v, v) for v in traced.constvars)
+  fixed = {}
+  if outputs is not None:
+    fixed = {old: new for old, new in zip(traced.outputs, outputs,
+                                          strict=True)
+             if not isinstance(old, Literal)}
+  copier = _Copier(wiring, traced, 'a traced function', fixed)
+  nodes = [copier.copy(c) for c in traced.children]
+  if copier.fixed:
+    raise SubstitutionError(
+        f'internal: {len(copier.fixed)} outputs of a spliced function are '
+        'not computed by it')
+  return nodes
 
 
 def describe(item) -> str:
@@ -780,6 +798,16 @@ class Selection:
   targets: tuple
   ancestors: dict
   description: str
+
+  @property
+  def keypaths(self) -> dict:
+    """Root input symbol -> its key path in ``(args, kwargs)``."""
+    return locate(self.root).keypaths
+
+  @property
+  def collections(self) -> dict:
+    """Collection -> the key path prefix it sits under."""
+    return locate(self.root).collections
 
 
 def select(selection, mox: Mox) -> Selection:
@@ -903,11 +931,15 @@ class Rewrite:
       ``collection -> key path prefix`` (``(0, 0, 'params')`` for
       ``model.apply(variables, x)``, ``(1, 'params')`` for HF style
       ``model(x, params=p)``).
+    retyped: the variables the new tree reads in another type (``retype``:
+      a kernel stored quantized), by key path in the root arguments, as
+      the root's new inputs (stacked, for a variable of a scan body).
   """
   mox: Mox
   replaced: tuple
   added: dict
   collections: dict
+  retyped: dict = dataclasses.field(default_factory=dict)
 
 
 def collections_of(mox: Mox) -> dict:
@@ -917,7 +949,7 @@ def collections_of(mox: Mox) -> dict:
   ``{'params': (0, 0, 'params')}`` for ``make_mox(model.apply)(variables,
   x)``; what :attr:`Rewrite.collections` reports, without rewriting.
   """
-  return dict(_Substitution(mox, (), None).prefix)
+  return dict(locate(mox).collections)
 
 
 def substitute(selection, repl: Replacement, mox: Mox, *,
@@ -945,7 +977,7 @@ def substitute(selection, repl: Replacement, mox: Mox, *,
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),
-                 dict(run.prefix))
+                 dict(run.prefix), dict(run.retyped))
 
 
 def sub(selection, repl: Replacement, mox: Mox) -> Mox:

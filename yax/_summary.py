@@ -10,8 +10,11 @@ Everything is computed from the tree itself, without running the model:
 * **variables**: the module's *own* variables (not its submodules') with
   their types, ``kernel: f32[64,64]``; collections other than ``params`` are
   prefixed (``batch_stats/mean: f32[3]``).
-* **params**: own (the module's own ``params`` leaves) and total (including
-  submodules, as Flax counts a module's variables). A Linen param whose
+* **params**: total (every ``params`` leaf the call reads, its submodules'
+  and those of modules it reaches through its arguments included: see
+  :class:`ParamReads`) and own (those no row below it reads: the module's
+  own, and a never-called submodule's that it reads straight from it), so
+  each parameter is the own parameter of one row. A Linen param whose
   value is a dict counts as the module's own (shown ``p/a: f32[3]``),
   although the tracer does not list it among the call's inputs (see
   :class:`UnlistedVariables`).
@@ -150,20 +153,50 @@ def param_count(mox: Mox) -> int:
 
 
 def total_params(mox: Mox) -> tuple[int, int]:
-  """(count, bytes) of the ``params`` read by the outermost module calls.
-
-  A module's variables include its submodules', so only module calls that
-  are not inside another module call are counted, and each variable once
-  (a module called twice shares them). A tree without module calls has none.
-  """
+  """(count, bytes) of the ``params`` read by the outermost module calls
+  (see :class:`ParamReads`), each variable once (a module called twice
+  shares them). A tree without module calls has none."""
+  reads = ParamReads(mox)
   seen: dict[int, Symbol] = {}
-  unlisted = UnlistedVariables(mox)
   for node in outermost_calls(mox):
-    for s in variable_groups(node).get(PARAMS, ()):
-      seen[id(s)] = s
-    for s in unlisted.groups(node).get(PARAMS, ()):
-      seen[id(s)] = s
+    seen.update(reads.of(node))
   return count(seen.values())
+
+
+class ParamReads:
+  """The ``params`` each module call reads: those it lists among its
+  variable inputs, and those of every module call in its body.
+
+  A module call lists what its body reads, but a call inside it can read
+  variables it does not list: an NNX module passed as an argument to
+  another module's method (MaxText's ``self.decoder(shared_embedding=
+  self.token_embedder, ...)``) is called inside the caller, its variables
+  reached through the argument, not the caller's own graph. Counting the
+  calls inside puts them in the caller's total and the model's.
+  """
+
+  _NONE: dict = {}
+
+  def __init__(self, root: Expr):
+    self.unlisted = UnlistedVariables(root)
+    self._memo: dict[int, dict[int, Symbol]] = {}
+
+  def of(self, node: Expr) -> dict[int, Symbol]:
+    """``{id: symbol}`` of the params read by ``node`` and the calls in it
+    (in the order first read). Do not change the dict returned."""
+    got = self._memo.get(id(node))
+    if got is not None:
+      return got
+    got = {}
+    if isinstance(node, Mox):
+      for s in variable_groups(node).get(PARAMS, ()):
+        got[id(s)] = s
+      for s in self.unlisted.groups(node).get(PARAMS, ()):
+        got[id(s)] = s
+    for child in node.children:
+      got.update(self.of(child))
+    self._memo[id(node)] = got = got or self._NONE
+    return got
 
 
 class UnlistedVariables:
@@ -491,7 +524,8 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   module doc).
   """
   out: list[SummaryRow] = []
-  unlisted = UnlistedVariables(mox)
+  reads = ParamReads(mox)
+  unlisted = reads.unlisted
 
   def visit(node: Expr, level: int, owner: Mox | None):
     if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
@@ -504,10 +538,17 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
       groups = variable_groups(node)
       for col, syms in unlisted.groups(node).items():  # dict-valued params
         groups[col] = [*groups.get(col, ()), *syms]
-      n, nbytes = count(groups.pop(PARAMS, ()))
+      groups.pop(PARAMS, None)
+      read = reads.of(node)
+      n, nbytes = count(read.values())
+      # Own: the params no row below reads (a submodule's kernel read
+      # straight from it, as MoE experts inside a shard_map, is the
+      # reader's own when the submodule is never called).
+      below: dict[int, Symbol] = {}
+      for row in _rows_below(node):
+        below.update(reads.of(row))
+      own_params = count(s for k, s in read.items() if k not in below)[0]
       extra_own = unlisted.own(node)
-      own = {**own_variables(node).get(PARAMS, {}),
-             **extra_own.get(PARAMS, {})}
       texts = variable_texts(node) + [
           f"{'' if col == PARAMS else col + '/'}{k}: {s.type_str}"
           for col, vs in extra_own.items() for k, s in vs.items()]
@@ -516,7 +557,7 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
           method=node.entrypoint or '__call__', depth=level,
           inputs=tuple(input_texts(node)), outputs=tuple(output_texts(node)),
           variables=tuple(texts),
-          own_params=count(own.values())[0], params=n, param_bytes=nbytes,
+          own_params=own_params, params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
           flops=flops(node), node=node, dtype=compute_dtype(node)))
       level, owner = level + 1, node
@@ -525,6 +566,20 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
 
   visit(mox, 0, None)
   return out
+
+
+def _rows_below(node: Mox) -> list[Mox]:
+  """The module calls in ``node``'s body that have rows of their own (the
+  nearest ones; helper calls of ``node`` are folded into its row)."""
+  rows, stack = [], list(node.children)
+  while stack:
+    child = stack.pop()
+    if (isinstance(child, Mox) and (not child.is_ephemeral or _is_group(child))
+        and not _is_helper(child, node)):
+      rows.append(child)
+    else:
+      stack.extend(child.children)
+  return rows
 
 
 def compute_dtype(node: Mox) -> str:

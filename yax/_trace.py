@@ -37,6 +37,7 @@ from yax import _calls, _lower, _markers, _nnx, _rules
 from yax._calls import CallRecord, is_traced_value, marked_call
 from yax._errors import TraceError, TraceWarning
 from yax._ir import Equation, Literal, Mox, Symbol, Var
+from yax._variables import is_variable_treedef
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -91,10 +92,32 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
     # has no variables and no scope path; it is recorded by nothing, and
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
-  var_leaves, var_tree = tree_flatten(own_variables(module))
+  path = tuple(module.path)
+  bridged = _nnx.bridged_class(module)
+  if bridged is not None:
+    # Flax's ToLinen: an NNX model built and run inside this call, its
+    # whole state in this module's variables (nested dicts are the NNX
+    # attribute paths, not submodule scopes: ToLinen has no submodules).
+    var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
+    next_fun = _nnx.bridged(path, bridged, next_fun)
+  else:
+    var_leaves, var_tree = tree_flatten(own_variables(module))
   return marked_call(type(module), context.method_name, module_fields(module),
-                     tuple(module.path), var_leaves, var_tree, next_fun, args,
-                     kwargs)
+                     path, var_leaves, var_tree, next_fun, args, kwargs)
+
+
+def _traced_only(tree):
+  """The nested dicts of ``tree`` with only their traced leaves (metadata
+  boxes such as ``nn.LogicallyPartitioned`` kept around them)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      value = _traced_only(value)
+      if value:
+        out[key] = value
+    elif all(map(is_traced_value, jax.tree_util.tree_leaves(value))):
+      out[key] = value
+  return out
 
 
 # Every trace runs with this JAX user context set. JAX keys its tracing,
@@ -430,7 +453,7 @@ class _Builder:
       parent.reach.setdefault(key, {}).update(values)
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, Mapping) and not _nnx.is_variable_treedef(rec.var_tree):
+    if isinstance(own, Mapping) and not is_variable_treedef(rec.var_tree):
       for col, values in own.items():
         parent.reach.setdefault((col, *rec.path), {}).update(values)
     self.leave_out(rec)
@@ -459,7 +482,7 @@ class _Builder:
     live in its scope and are defined before it starts (a kernel computed
     inside the call, as for a tied head, is not a variable of the call)."""
     rec = frame.record
-    if _nnx.is_variable_treedef(rec.var_tree):
+    if is_variable_treedef(rec.var_tree):
       # NNX: the marker carried every variable the module can reach; the
       # call's are those its body reads (directly, or through the calls
       # and equations in it).
