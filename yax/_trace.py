@@ -292,6 +292,34 @@ def opened(eqn: Equation) -> Equation | None:
   return result
 
 
+def map_mox(fn: Callable, mox) -> list:
+  """Calls ``fn`` on every node of the tree in pre-order; returns the results.
+
+  **Arguments:**
+  - ``fn``: called as ``fn(node)`` for the root, then each child, depth first.
+  - ``mox``: the tree (or any node of it).
+
+  **Returns:** the list of ``fn``'s return values, in visiting order.
+
+  Every node includes the equations in the bodies an equation holds as
+  Jaxpr parameters although they call no module (a ``jit``-ed helper, the
+  ``shard_map`` of a mixture of experts: see :func:`opened`), visited after
+  the equation that holds them: a pattern match can lie there, and every
+  equation of a ``yax.Match`` is one that ``map_mox`` visits.
+  """
+  out = []
+  stack = [mox]
+  while stack:
+    node = stack.pop()
+    out.append(fn(node))
+    children = getattr(node, 'children', ())
+    if not children and isinstance(node, Equation):
+      holder = opened(node)
+      children = holder.children if holder is not None else ()
+    stack.extend(reversed(children))
+  return out
+
+
 _OPENED: 'weakref.WeakKeyDictionary[Equation, Equation | None]' = \
     weakref.WeakKeyDictionary()
 
