@@ -95,6 +95,37 @@ class Twice(nn.Module):
     return other(block(block(x)))
 
 
+class Activations(nn.Module):
+  """No parameters at all: ``init`` gives an empty variables dict."""
+  act: object = nn.relu
+
+  @nn.compact
+  def __call__(self, x):
+    if self.act is nn.relu:
+      return nn.relu(x) * 2.0 - nn.relu(-x)
+    return PReLU(name='PReLU_0')(x) * 2.0 - PReLU(name='PReLU_1')(-x)
+
+
+def test_a_parameter_free_model_gets_its_first_params():
+  """The original YAX's example: ReLU -> PReLU on a model without params;
+  the rewrite creates the 'params' collection."""
+  model = Activations()
+  variables = model.init(jax.random.key(0), X)
+  assert not variables
+  mox = yax.make_mox(model.apply)(variables, X)
+  new = yax.sub('//*[@name="relu"]', prelu_mox(4), mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, variables, key=jax.random.key(1))
+  assert set(full) == {'params'}
+  assert set(full['params']) == {'PReLU_0', 'PReLU_1'}
+  trained = {'params': {'PReLU_0': {'alpha': jnp.full((4,), 0.1)},
+                        'PReLU_1': {'alpha': jnp.linspace(-1.0, 1.0, 4)}}}
+  reference = Activations(act=PReLU)
+  for params in (full, trained):
+    np.testing.assert_allclose(yax.eval_mox(new, params, X),
+                               reference.apply(params, X), **TOL)
+
+
 def test_a_module_called_twice_has_one_set_per_site_read_by_both_calls():
   model = Twice()
   variables = model.init(jax.random.key(0), X)

@@ -22,6 +22,7 @@ unchanged subtrees are shared between the old and the new tree.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import weakref
 from typing import Callable, Sequence, Union
@@ -214,6 +215,27 @@ class _Substitution:
     found = locate(root)
     self.keypaths, self.locs = found.keypaths, found.locs
     self.prefix, self.used_paths = found.collections, found.used_paths
+
+  def collection_prefix(self, collection: str) -> tuple | None:
+    """Where ``collection`` sits in the root arguments, or where a rewrite
+    creates it (a replacement may bring the first variable of a collection
+    the arguments lack): next to another collection (``args[0]
+    ['batch_stats']`` gives ``args[0]['params']``), else in a first
+    argument that is an empty mapping (what ``Module.init`` gives a
+    parameter-free Linen model). None when there is no such place."""
+    found = self.prefix.get(collection)
+    if found is not None or collection == NNX_GROUP:
+      return found
+    for other, prefix in self.prefix.items():
+      if prefix and prefix[-1] == other:
+        return (*prefix[:-1], collection)
+    if self.root.in_tree is None:
+      return None
+    args, _ = jtu.tree_unflatten(self.root.in_tree,
+                                 range(len(self.root.inputs)))
+    if args and isinstance(args[0], collections.abc.Mapping) and not args[0]:
+      return (0, 0, collection)
+    return None
 
   # -- the walk
 
@@ -616,7 +638,7 @@ class _Substitution:
               'replacement module another name')
         wiring[sym] = existing
         continue
-      if keys[0] not in self.prefix:
+      if self.collection_prefix(keys[0]) is None:
         raise SubstitutionError(
             f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
@@ -645,7 +667,7 @@ class _Substitution:
         if loc in seen:
           continue
         seen.add(loc)
-        prefix = self.prefix[loc[0]]
+        prefix = self.collection_prefix(loc[0])
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
