@@ -43,7 +43,7 @@ from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 from yax._compat import nnx_is_node_type, nnx_node_items
-from yax._variables import (VariableTree, is_variable_treedef, key_name,
+from yax._variables import (VariableTree, key_name,
                             variable_treedef)
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -323,6 +323,9 @@ class _Context:
     # [(path prefix, GraphArgument or nnx.State)] among the traced
     # arguments (see ``_model_prefixes``), read by ``sources``.
     self.containers: list = []
+    # [(Linen path, NNX class)] of the Linen ``ToLinen`` calls running (see
+    # ``bridged``), innermost last.
+    self.bridges: list = []
 
   def register(self, root, prefix: tuple, tag: bool = False) -> None:
     """Gives every module under ``root`` not seen yet its first path.
@@ -365,6 +368,20 @@ class _Context:
         path = ('<closure>', f'{name}_{k}')
     self.register(module, path, tag=self._created_by_trace(module))
     return self.paths[id(module)]
+
+  def _bridged_path(self, module) -> bool:
+    """Inside a ``ToLinen`` call: whether ``module`` has a path, giving it
+    one if it is the bridged model (an instance of the bridge's NNX class
+    called after construction): the Linen module's path, so that each
+    submodule's path is the path of its variables in the Linen variables
+    (``ToLinen`` keeps the NNX state there as is, per collection)."""
+    if id(module) in self.paths or _TAG in vars(module):
+      return True
+    path, cls = self.bridges[-1]
+    if not isinstance(module, cls):
+      return False
+    self.register(module, path, tag=True)
+    return True
 
   def _created_by_trace(self, module) -> bool:
     """True when every variable of ``module`` holds a tracer: a module
@@ -473,6 +490,11 @@ class _Context:
     if not recording() or (top is not None and top[0] is module
                            and top[1] == name):
       return fn(module, *args, **kwargs)  # not recording, or a super() call
+    if self.bridges and not self._bridged_path(module):
+      # A module that a Linen ``ToLinen`` is still building (its
+      # constructor calls helper methods): not yet the bridged model, and
+      # its variables are initial values that the call then replaces.
+      return fn(module, *args, **kwargs)
     path = self.path_of(module)
     params = self.params.get(id(module))
     if params is None:
@@ -573,6 +595,14 @@ def variable_like(kind: str, value, like, **changes):
   ``like`` (a Variable) updated by ``changes``, built without sharding a
   value (its ``eager_sharding`` flag is kept as metadata)."""
   meta = {**_metadata(like), **changes}
+  # ``like`` may carry its axis names under several keys (MaxText's Params:
+  # ``out_sharding`` and its deprecated alias ``sharding_names``); a new
+  # name goes under every one of them, or Flax would let the stale alias
+  # win over it.
+  named = [changes[k] for k in SHARDING_KEYS if k in changes]
+  aliases = [k for k in SHARDING_KEYS if k in meta]
+  if named:
+    meta.update((k, named[0]) for k in aliases)
   eager = meta.pop('eager_sharding', None)
   cls = variable_type(kind)
   try:
@@ -581,6 +611,9 @@ def variable_like(kind: str, value, like, **changes):
     proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
     if eager is not None:
       proto.set_metadata(eager_sharding=eager)
+    if len(aliases) > 1:  # the constructor folded the aliases: kept, as on
+      proto = cls.from_metadata(proto[...], {  # the kernel
+          **proto.get_metadata(), **{k: meta[k] for k in aliases}})
   except Exception as e:  # noqa: BLE001 - reported, never dropped
     # Why not fall back to a bare Variable: the adapter would silently lose
     # the kernel's sharding and the merged state would not fit the tree.
@@ -902,6 +935,37 @@ def _without_traced_caches(node, update):
         value = _without_traced_caches(child, value)
     kept[key] = value
   return nnx.State(kept)
+
+
+def bridged_class(module) -> type | None:
+  """The NNX class behind a Linen module that runs an NNX model as Linen
+  (Flax's ``nnx.bridge.ToLinen``, or a copy of it such as MaxText's, told by
+  its ``nnx_class`` field), else None."""
+  if 'nnx_class' not in getattr(type(module), '__dataclass_fields__', ()):
+    return None
+  cls = module.nnx_class
+  while isinstance(cls, functools.partial):
+    cls = cls.func
+  if nnx is not None and isinstance(cls, type) and issubclass(cls,
+                                                               nnx.Module):
+    return cls
+  return None
+
+
+def bridged(path: tuple, nnx_class: type, fn):
+  """``fn`` (the call of a ``ToLinen`` module at Linen path ``path``) with
+  the NNX model it builds and calls, an instance of ``nnx_class``, placed
+  at ``path`` (see ``_Context._bridged_path``)."""
+  def call(*args, **kwargs):
+    ctx = getattr(_local, 'ctx', None)
+    if ctx is None:
+      return fn(*args, **kwargs)
+    ctx.bridges.append((path, nnx_class))
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ctx.bridges.pop()
+  return call
 
 
 class TraceScope:
