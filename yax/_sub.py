@@ -308,6 +308,12 @@ class _Substitution:
     entries, leaves = [], []
     if node.num_vars:
       tree = jtu.tree_unflatten(node.var_tree, var_inputs)
+      if not isinstance(tree, _nnx.VariableTree):
+        raise SubstitutionError(
+            f'{describe(node)} is a Linen call that runs NNX modules (a '
+            'ToLinen bridge); the new variables of the NNX modules inside '
+            'it cannot be added to its Linen variables yet. Trace the NNX '
+            'model itself (its split form) to rewrite it')
       for keys, sym, kind, flags in zip(
           var_keys(node), var_inputs, tree.kinds, tree.flags, strict=True):
         entries.append((keys[1:], (kind, *flags)))
