@@ -117,3 +117,18 @@ def random_variables(model, seed, *args, **kwargs):
   return jax.tree.map(
       lambda s: jnp.asarray(rng.normal(0.0, 0.2, s.shape).astype(s.dtype)),
       shapes)
+
+
+def saved_residuals(fn, *args) -> list[str]:
+  """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
+  own ``print_saved_residuals``), sorted; the arguments and literals
+  excluded, as they take no memory of their own."""
+  import io
+
+  import jax.ad_checkpoint
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
+                if line and ' from the argument ' not in line
+                and ' from a literal' not in line)

@@ -698,7 +698,7 @@ def test_dense_general_lora_matches_a_hand_written_adapter(
 # ------------------------------------------------ no silent fallbacks
 
 def test_unknown_key_path_steps_are_reported():
-  from yax._sub import _key_name
+  from yax._variables import key_name as _key_name
   assert _key_name(jax.tree_util.DictKey('a')) == 'a'
   assert _key_name(jax.tree_util.SequenceKey(2)) == 2
   assert _key_name(jax.tree_util.GetAttrKey('x')) == 'x'

@@ -12,10 +12,12 @@ import os
 import re
 import shutil
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 import yax
-from yax import _html
+from yax import _html, _query, _summary
 
 CHROMIUM_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic',
                  '--no-first-run', '--disable-background-networking',
@@ -261,6 +263,77 @@ def test_embedded_json_is_json_and_never_markup():
     assert page.count('<style>') == 1 and page.count('id="yax-data"') == 1
 
 
+def test_payload_counts_each_nodes_flops():
+  """The payload's FLOPs, summed bottom-up, are each node's own count
+  (:func:`yax._summary.flops`, which walks the node's subtree)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Cell(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+      c = nn.Dense(4)(nn.relu(nn.Dense(4)(c))) + x
+      return c, c
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+      scan = nn.scan(Cell, variable_broadcast='params',
+                     split_rngs={'params': False}, length=3)
+      return nn.Dense(2)(scan(name='rnn')(xs[0], xs)[0])
+
+  m = Model()
+  xs = jnp.ones((3, 4))
+  mox = yax.make_mox(m.apply)(m.init(jax.random.key(0), xs), xs)
+  nodes = _html._nodes(mox)
+  flops = _html.payload(mox)['flops']
+  assert flops == [_summary.flops(n) for n in nodes]
+  assert flops[0] > 0 and len(set(flops)) > 2
+
+
+# ------------------------------------------ one shorthand rule, both sides
+
+def _js_function(name: str) -> str:
+  """The source of a top-level function of viewer.js (and the constants it
+  reads), to run on its own in a blank page."""
+  js = _html.viewer_file('viewer.js')
+  (space,) = re.findall(r'^const XPATH_SPACE = .*;$', js, re.M)
+  (body,) = re.findall(rf'^function {name}\(.*?^}}$', js, re.M | re.S)
+  return space + '\n' + body
+
+
+@pytest.fixture(scope='module')
+def blank_page(browser):
+  page = browser.new_page()
+  yield page
+  page.close()
+
+
+# Characters that matter to the rule (quotes, slashes, brackets, XPath
+# white space) and some that white space rules disagree on: Python's
+# str.isspace takes \x1c and \x85, JavaScript's trim takes \ufeff, neither
+# is XPath white space.
+_SHORTHAND_TEXT = st.text(st.sampled_from(
+    list('/[]*@"\'ab=1 \t\r\n') + ['\x0b', '\x1c', '\x85', '\xa0',
+                                   '\u2028', '\ufeff']), max_size=12)
+
+
+@hypothesis.settings(max_examples=60, deadline=None,
+                     suppress_health_check=[
+                         hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.example(queries=['//[@a="1"]', "a / [1]", '//*[@a="/["]',
+                             "x/\x1c[1]", "x/\ufeff[1]", "x/\n\t[1]"])
+@hypothesis.given(queries=st.lists(_SHORTHAND_TEXT, min_size=1, max_size=20))
+def test_rewrite_shorthand_is_the_same_in_the_browser(blank_page, queries):
+  """viewer.js's ``rewriteShorthand`` and ``yax._query.rewrite_shorthand``
+  rewrite every text alike."""
+  source = _js_function('rewriteShorthand')
+  in_browser = blank_page.evaluate(
+      f'(qs) => {{ {source}\n return qs.map(rewriteShorthand); }}', queries)
+  assert in_browser == [_query.rewrite_shorthand(q)[0] for q in queries]
+
+
 # ------------------------------------------------- navigation and data flow
 
 def _index(mox):
@@ -333,6 +406,15 @@ def test_keyboard_navigation(bert_page, bert):
   assert _selected(page) == 0
   page.keyboard.press('/')
   assert page.evaluate('document.activeElement.id') == 'search'
+
+
+def test_shorthand_search_finds_what_yax_query_finds(bert_page, bert):
+  """``//[@k=v]`` (a step with no node test) works in the page as in
+  :func:`yax.query`."""
+  n = len(yax.query('//*[@type="Dense"]', bert))
+  assert n > 0
+  assert _search(bert_page, '//[@type="Dense"]') == f'1 of {n}'
+  assert len(yax.query('//[@type="Dense"]', bert)) == n
 
 
 def test_match_counter_k_of_n(bert_page, bert):

@@ -360,9 +360,9 @@ def test_lora_on_moe_experts():
              '//module_call[@type="RoutedMoE"][@method="__call__"]')
 
 
-@pending('open: the kernels reach the bridged NNX modules through the '
-         'sharding_constraint of LogicallyPartitioned.unbox, and new '
-         'variables cannot join a Linen call that runs NNX modules')
+@pending('open: under a mesh, LogicallyPartitioned.unbox passes every '
+         'kernel through a sharding_constraint before the bridged NNX '
+         'modules read it, so lora finds the kernel "computed in the model"')
 def test_lora_through_the_linen_bridge():
   m = build('llama2', False, linen=True)
   with m.context():

@@ -336,6 +336,43 @@ def test_vmap_remat_jit_inside():
   assert yax.query('//jit//module_call[@path="b"]', mox)
 
 
+class DecoratedMethods(nnx.Module):
+  """Methods decorated with NNX transforms (``nnx.jit`` makes an object,
+  not a function; ``nnx.remat``/``nnx.vmap`` make functions)."""
+
+  def __init__(self, *, rngs):
+    self.a = nnx.Linear(4, 4, rngs=rngs)
+    self.b = nnx.Linear(4, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  @nnx.jit
+  def encode(self, x):
+    return self.drop(nnx.relu(self.a(x)))
+
+  @nnx.remat
+  def decode(self, x):
+    return self.b(x)
+
+  @nnx.vmap(in_axes=(None, 0))
+  def per_row(self, x):
+    return jnp.tanh(x) * 2.0
+
+  def __call__(self, x):
+    return self.per_row(self.decode(self.encode(x)))
+
+
+def test_transform_decorated_methods_are_module_calls():
+  model = DecoratedMethods(rngs=rngs())
+  mox = check_model(model, X4)
+  for method in ('encode', 'decode', 'per_row'):
+    calls = yax.query(
+        f'//module_call[@type="DecoratedMethods" and @method="{method}"]', mox)
+    assert len(calls) == 1, method
+  # The modules the jitted method calls are inside its node.
+  assert yax.query('//module_call[@method="encode"]//jit'
+                   '//module_call[@path="a"]', mox)
+
+
 def test_vmap_over_a_module():
   model = MLP(4, 4, 2, rngs=rngs())
   xs = jnp.stack([X4, 2 * X4])
@@ -719,6 +756,67 @@ def test_a_variable_cached_during_the_call_is_a_state_update():
                                 vars(own)['table'][...])
 
 
+class Stateful(nnx.Module):
+  """State that every call changes (dropout's RNG count, batch statistics)
+  and a RoPE-style table cached on the first call, as EasyDeL models have."""
+
+  def __init__(self, *, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  @functools.cached_property
+  def table(self):
+    return nnx.Variable(jnp.linspace(0.0, 1.0, 4))
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.linear(x))) * self.table[...]
+
+
+def _state_and_cache(model):
+  """The model's state values and its cached table (None before the first
+  call; read from the instance: reading the property would compute it)."""
+  cache = vars(model).get('table')
+  return (jax.tree.leaves(jax.tree.map(_plain, nnx.state(model))),
+          None if cache is None else np.asarray(cache[...]))
+
+
+def _assert_same_steps(a, b):
+  (sa, ca), (sb, cb) = _state_and_cache(a), _state_and_cache(b)
+  assert len(sa) == len(sb)
+  for x, y in zip(sa, sb):
+    np.testing.assert_allclose(x, y, **TOL)
+  assert (ca is None) == (cb is None)
+  if ca is not None:
+    np.testing.assert_array_equal(ca, cb)
+
+
+@pytest.mark.parametrize('traced_after_a_call', [False, True])
+def test_replay_step_after_step(traced_after_a_call):
+  """Three steps, as users run a model: each replay continues from the
+  state the previous one left (RNG counts, batch statistics, the cached
+  table the first call adds), eagerly and under nnx.jit, next to the
+  model's own calls. A tree traced before the first call accepts the model
+  after it, and one traced after it a model before it."""
+  x = X4
+  model = Stateful(rngs=rngs())
+  traced = nnx.clone(model)
+  if traced_after_a_call:
+    traced(x)
+    assert 'table' in vars(traced)
+  mox = yax.make_mox(lambda m, x: m(x))(traced, x)
+  own, eager, jitted = (nnx.clone(model) for _ in range(3))
+  replay = nnx.jit(lambda m, x: yax.eval_mox(mox, m, x))
+  for _ in range(3):
+    want = own(x)
+    assert_close(yax.eval_mox(mox, eager, x), want)
+    _assert_same_steps(eager, own)
+    assert_close(replay(jitted, x), want)
+    jitted_state, _ = _state_and_cache(jitted)
+    for got, expected in zip(jitted_state, _state_and_cache(own)[0]):
+      np.testing.assert_allclose(got, expected, **TOL)
+
+
 class SharedStateless(nnx.Module):
   """A module without variables reachable by two attribute paths."""
 
@@ -879,7 +977,17 @@ def test_nnx_model_bridged_into_linen_has_its_param_paths():
   assert rows[('', '_LinenAroundNnx')].params == total
   assert rows[('block', 'ToLinen')].params == total - 3 * 2 - 2
   assert rows[('block', '_Bridged')].params == total - 3 * 2 - 2
-  # New variables for the NNX modules inside the Linen call: refused
-  # (a YaxError, nothing changed), not a crash.
-  with pytest.raises(yax.SubstitutionError, match='ToLinen bridge'):
-    yax.lora(mox, variables, '//module_call[@type="Linear"]', rank=2)
+  # LoRA on the NNX Linears inside the Linen call: identity at init, and
+  # merged adapters give the Linen model what the adapted tree computes.
+  res = yax.lora(mox, variables, '//module_call[@type="Linear"]', rank=2,
+                 key=jax.random.key(1))
+  assert res.paths == [('block', 'fc1'), ('block', 'fc2')]
+  want = model.apply(variables, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), want,
+                             rtol=1e-6)
+  trained = jax.tree.map(lambda p, m: p + 0.3 if m else p, res.params,
+                         res.mask)
+  adapted = yax.eval_mox(res.mox, trained, x)
+  assert not np.allclose(adapted, want)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), adapted,
+                             rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ from lxml import etree
 
 import yax
 from helpers import equations, modules
-from yax import _serialize
+from yax import _format, _serialize
 from yax._format import format_value
 from yax._ir import Literal, Symbol, iter_nodes
 
@@ -232,8 +232,8 @@ def test_xml_name_and_text_helpers():
   assert _serialize.xml_name('a b:c') == 'a_b_c'
   assert _serialize.xml_name('1x') == '_1x'
   assert _serialize.xml_name('') == '_'
-  assert _serialize.xml_text('ok\n') == 'ok\n'
-  assert _serialize.xml_text('a\x00\x1fb\ud800') == 'a\\x00\\x1fb\\ud800'
+  assert _format.escape_text('ok\n') == 'ok\n'
+  assert _format.escape_text('a\x00\x1fb\ud800') == 'a\\x00\\x1fb\\ud800'
 
 
 def test_nested_bodies_of_lifted_transforms():

@@ -391,6 +391,41 @@ def test_constants_and_literals_inside_modules():
   assert_trees_close(jit_eval(mox)(variables, x), expected)
 
 
+class HostSide(nn.Module):
+  """Computes on the host as audio front ends do: a filterbank built from
+  NumPy in ``setup`` (``np.asarray`` of a tracer fails) and a float64 NumPy
+  helper method whose result is rounded to float32 only at the end."""
+  n: int = 8
+
+  def filterbank(self, freqs):
+    return np.asarray(np.outer(freqs, np.sqrt(freqs)), dtype=np.float32)
+
+  def setup(self):
+    self.dense = nn.Dense(self.n)
+    self.fb = self.filterbank(np.linspace(0.0, 1.0, self.n))
+
+  def window(self, t):
+    assert t.dtype == np.float64, t.dtype  # plain Flax keeps it float64
+    return np.exp(t * 1.1) / 3.0 + np.float64(1e-7) * t
+
+  def __call__(self, x):
+    w = self.window(np.arange(self.n, dtype=np.float64) / 7.0)
+    return self.dense(x) @ self.fb + jnp.asarray(w, jnp.float32)
+
+
+def test_numpy_arguments_of_module_methods_stay_numpy():
+  model = HostSide()
+  x = jnp.linspace(0.0, 1.0, 16).reshape(2, 8)
+  variables = model.init(KEY, x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  expected = model.apply(variables, x)
+  # Exactly the plain result: the float64 helper ran in float64.
+  np.testing.assert_array_equal(yax.eval_mox(mox, variables, x), expected)
+  np.testing.assert_array_equal(jit_eval(mox)(variables, x), expected)
+  window = yax.query('//module_call[@method="window"]', mox)
+  assert len(window) == 1 and window[0].inputs[0].is_static
+
+
 # ------------------------------------------------------ lifted transforms
 
 class Block(nn.Module):

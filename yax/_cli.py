@@ -328,47 +328,47 @@ def summary(model, depth, xla_flops, width, dtypes):
                          width=width, dtypes=dtypes)
 
 
-@cli.command()
-@model_argument
-@output_option
-@click.option('--indent', type=click.IntRange(min=0), default=2,
-              show_default=True, help='Spaces per nesting level (0: none).')
-@debug_option
-def xml(model, output, indent):
+def _export(name: str, what: str, *, indent: int | None, indent_help: str,
+            binary: bool = False):
+  """Makes ``write(mox, file, indent)`` the command ``yax NAME``: trace
+  MODEL, then write it to ``-o FILE`` or stdout (the command's help is
+  ``write``'s docstring)."""
+  def register(write):
+    @cli.command(name=name, help=write.__doc__)
+    @model_argument
+    @output_option
+    @click.option('--indent', type=click.IntRange(min=0), default=indent,
+                  show_default=indent is not None, help=indent_help)
+    @debug_option
+    def command(model, output, indent):
+      mox, _ = trace_model(model)
+      with _Output(output, binary=binary) as f, progress(f'writing {what}'):
+        write(mox, f, indent)
+    return write
+  return register
+
+
+@_export('xml', 'XML', indent=2,
+         indent_help='Spaces per nesting level (0: none).')
+def _write_xml(mox, f, indent):
   """Print the MoX as XML."""
   from yax._serialize import dump_xml
-  mox, _ = trace_model(model)
-  with _Output(output) as f, progress('writing XML'):
-    dump_xml(mox, f, indent=indent)
+  dump_xml(mox, f, indent=indent)
 
 
-@cli.command()
-@model_argument
-@output_option
-@click.option('--indent', type=click.IntRange(min=0), default=2,
-              show_default=True, help='Spaces per nesting level (0: compact).')
-@debug_option
-def yson(model, output, indent):
+@_export('yson', 'YSON', indent=2, binary=True,
+         indent_help='Spaces per nesting level (0: compact).')
+def _write_yson(mox, f, indent):
   """Print the MoX as YSON (needs the yson extra: ytsaurus-client)."""
   from yax._serialize import dump_yson
-  mox, _ = trace_model(model)
-  with _Output(output, binary=True) as f, progress('writing YSON'):
-    dump_yson(mox, f, indent=indent)
+  dump_yson(mox, f, indent=indent)
 
 
-@cli.command(name='json')
-@model_argument
-@output_option
-@click.option('--indent', type=click.IntRange(min=0), default=None,
-              help='Pretty-print with this many spaces (default: one line).')
-@debug_option
-def json_(model, output, indent):
+@_export('json', 'JSON', indent=None,
+         indent_help='Pretty-print with this many spaces (default: one line).')
+def _write_json(mox, f, indent):
   """Print the MoX as JSON (same content as the XML)."""
-  mox, _ = trace_model(model)
-  with progress('writing JSON'):
-    text = mox.to_json(indent=indent)
-  with _Output(output) as f:
-    f.write(text + '\n')
+  f.write(mox.to_json(indent=indent) + '\n')
 
 
 def _xpath_error(xpath: str, e: Exception) -> _Usage:

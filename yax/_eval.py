@@ -220,7 +220,7 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
     leaves, paths = _match_tree(mox, jax.tree_util.tree_unflatten(tree, leaves))
   # Not strict: without an ``in_tree`` the counts may differ, which
   # ``Interpreter.run`` reports.
-  for i, (sym, x) in enumerate(zip(mox.inputs, leaves)):
+  for i, (sym, x) in enumerate(zip(mox.inputs, leaves, strict=False)):
     problem = _leaf_problem(sym, x)
     if problem:
       if paths is None:

@@ -79,15 +79,6 @@ def safe_repr(obj, limit: int = MAX_TEXT) -> str:
   return escape_text(truncate(text, limit))
 
 
-def qualified_name(obj) -> str:
-  module = safe_getattr(obj, '__module__')
-  module = module if isinstance(module, str) else ''
-  name = safe_getattr(obj, '__qualname__') or safe_getattr(obj, '__name__')
-  if not isinstance(name, str):
-    name = type(obj).__qualname__
-  return f'{module}.{name}' if module else name
-
-
 def _public_name(obj) -> str:
   """``module.qualname`` without ``<locals>``; a module under ``_src`` is
   replaced by the public module that exposes the same object

@@ -44,6 +44,8 @@ from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 from yax._compat import nnx_is_node_type, nnx_node_items
+from yax._variables import (VariableTree, key_name,
+                            variable_treedef)
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
@@ -60,53 +62,6 @@ def is_graph_node(x) -> bool:
 
 
 # ------------------------------------------------------ typed variables
-
-class VariableTree(dict):
-  """The variables of an NNX module call, keyed as ``nnx.state`` shows them.
-
-  A dict (nested dicts under it) whose treedef also carries, in leaf order,
-  each leaf's Variable type name (``kinds``: ``Param``, ``BatchStat``,
-  ``RngCount``...) and ``flags``: ``(is_param, own)``, where ``is_param``
-  holds for ``nnx.Param`` and its subclasses (``nnx.LoRAParam``, custom
-  parameter types) and ``own`` for a variable of the module itself rather
-  than of a submodule. So ``Mox.var_tree`` tells every view what kind each
-  variable input is.
-  """
-
-  kinds: tuple = ()
-  flags: tuple = ()
-
-
-def _vt_flatten_with_keys(tree: VariableTree):
-  keys = sorted(tree)
-  return ([(jtu.DictKey(k), tree[k]) for k in keys],
-          (tuple(keys), tuple(tree.kinds), tuple(tree.flags)))
-
-
-def _vt_flatten(tree: VariableTree):
-  keys = sorted(tree)
-  return [tree[k] for k in keys], (tuple(keys), tuple(tree.kinds),
-                                   tuple(tree.flags))
-
-
-def _vt_unflatten(aux, children):
-  keys, kinds, flags = aux
-  tree = VariableTree(zip(keys, children))
-  tree.kinds = kinds
-  tree.flags = flags
-  return tree
-
-
-jtu.register_pytree_with_keys(VariableTree, _vt_flatten_with_keys,
-                              _vt_unflatten, _vt_flatten)
-
-
-def is_variable_treedef(treedef) -> bool:
-  """Whether ``treedef`` is that of a ``VariableTree`` (an NNX call's
-  variables), read from its root node without building the tree."""
-  data = treedef.node_data()
-  return data is not None and data[0] is VariableTree
-
 
 def var_kinds(mox) -> list[str] | None:
   """Variable type names of a module call's variable inputs, if NNX."""
@@ -147,7 +102,7 @@ def _wrapped_names(cls) -> list[str]:
   from_flax = cls.__module__.startswith('flax.')
   names = []
   for name, value in vars(cls).items():
-    if not inspect.isfunction(value) or getattr(value, '_yax_original', None):
+    if not _is_method(value) or getattr(value, '_yax_original', None):
       continue
     if name == '__call__':
       names.append(name)
@@ -158,6 +113,17 @@ def _wrapped_names(cls) -> list[str]:
     else:
       names.append(name)
   return names
+
+
+def _is_method(value) -> bool:
+  """A plain function, or a method wrapped by an NNX transform that is no
+  function itself (``@nnx.jit`` makes a ``JitWrapped`` object, a descriptor
+  whose ``__wrapped__`` is the method): either is called with the module
+  first. ``nnx.remat``/``nnx.vmap`` return plain functions."""
+  if inspect.isfunction(value):
+    return True
+  return (inspect.isfunction(getattr(value, '__wrapped__', None))
+          and hasattr(type(value), '__get__') and callable(value))
 
 
 def _wrap(fn, name: str):
@@ -554,24 +520,6 @@ def _meta(ty: type, own: bool) -> tuple:
   return ty.__name__, issubclass(ty, nnx.Param), own
 
 
-def variable_treedef(entries) -> Any:
-  """The treedef of a ``VariableTree`` with one leaf per ``(relative path,
-  (kind, is_param, own))`` entry, in the order the tree flattens."""
-  nested: dict = {}
-  for relpath, _ in entries:
-    node = nested
-    for key in relpath[:-1]:
-      node = node.setdefault(key, {})
-    node[relpath[-1]] = 0
-  tree = VariableTree(nested)
-  by_path = dict(entries)
-  order = [tuple(str(_key(k)) for k in kp)
-           for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
-  tree.kinds = tuple(by_path[p][0] for p in order)
-  tree.flags = tuple(by_path[p][1:] for p in order)
-  return jtu.tree_structure(tree)
-
-
 @functools.lru_cache(maxsize=4096)
 def _cached_treedef(entries: tuple) -> Any:
   """``variable_treedef`` of sorted entries, shared by every trace: a model
@@ -602,7 +550,7 @@ def _nested_variables(subtree) -> tuple[list, Any]:
     else:
       node[relpath[-1]] = _raw_value(var)
       meta_at[relpath] = _meta(type(var), own)
-  flat = [(tuple(str(_key(k)) for k in keypath), leaf) for keypath, leaf
+  flat = [(tuple(str(key_name(k)) for k in keypath), leaf) for keypath, leaf
           in jtu.tree_flatten_with_path(VariableTree(nested))[0]
           if is_traced_value(leaf)]
   entries = [(keys, next((meta_at[keys[:i]] for i in range(len(keys), 0, -1)
@@ -648,6 +596,14 @@ def variable_like(kind: str, value, like, **changes):
   ``like`` (a Variable) updated by ``changes``, built without sharding a
   value (its ``eager_sharding`` flag is kept as metadata)."""
   meta = {**_metadata(like), **changes}
+  # ``like`` may carry its axis names under several keys (MaxText's Params:
+  # ``out_sharding`` and its deprecated alias ``sharding_names``); a new
+  # name goes under every one of them, or Flax would let the stale alias
+  # win over it.
+  named = [changes[k] for k in SHARDING_KEYS if k in changes]
+  aliases = [k for k in SHARDING_KEYS if k in meta]
+  if named:
+    meta.update((k, named[0]) for k in aliases)
   eager = meta.pop('eager_sharding', None)
   cls = variable_type(kind)
   try:
@@ -656,6 +612,9 @@ def variable_like(kind: str, value, like, **changes):
     proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
     if eager is not None:
       proto.set_metadata(eager_sharding=eager)
+    if len(aliases) > 1:  # the constructor folded the aliases: kept, as on
+      proto = cls.from_metadata(proto[...], {  # the kernel
+          **proto.get_metadata(), **{k: meta[k] for k in aliases}})
   except Exception as e:  # noqa: BLE001 - reported, never dropped
     # Why not fall back to a bare Variable: the adapter would silently lose
     # the kernel's sharding and the merged state would not fit the tree.
@@ -698,18 +657,11 @@ def read_only(var_tree, var_inputs, reads) -> tuple[list, Any]:
   for (keypath, sym), kind, flags in zip(flat, tree.kinds, tree.flags,
                                          strict=True):
     if sym in reads:
-      entries.append((tuple(str(_key(k)) for k in keypath), (kind, *flags)))
+      entries.append((tuple(str(key_name(k)) for k in keypath), (kind, *flags)))
       leaves.append(sym)
   if not entries:
     return [], jtu.tree_structure(VariableTree())
   return leaves, variable_treedef(entries)
-
-
-def _key(k):
-  for field in ('key', 'name', 'idx'):
-    if hasattr(k, field):
-      return getattr(k, field)
-  return k
 
 
 # A Variable's value as stored (no ``on_get_value`` hooks, no warning):
@@ -804,12 +756,69 @@ def _split_arguments(args, kwargs) -> tuple[list, Any, bool]:
     # No graph node stopped the flatten: these are the plain leaves.
     return leaves, treedef, False
   nodes = tuple(leaves[i] for i in positions)
-  graphdef, state = _pytree_split(nodes) or nnx.split(nodes)
+  hidden = _HiddenCaches()
+  try:
+    graphdef, state = (_pytree_split(nodes, hidden)
+                       or _nnx_split(nodes, hidden))
+  finally:
+    hidden.restore()
   leaves = list(leaves)
   for k, i in enumerate(positions):
     sub = state[k] if k in state else nnx.State({})
     leaves[i] = GraphArgument(graphdef, k, sub)
   return (*jtu.tree_flatten(jtu.tree_unflatten(treedef, leaves)), True)
+
+
+class _HiddenCaches:
+  """Values that ``functools.cached_property`` attributes stored in modules'
+  instance dicts, taken out while the graph arguments are split and put
+  back after.
+
+  A cache is no part of a model's structure: the first call of an EasyDeL
+  model caches its RoPE table (an nnx Variable) in a static attribute, so
+  with it in the split a tree traced before that call would refuse the
+  model from the second step on (as would one traced after it, the model
+  before). Split without them, the traced copies compute the cache as a
+  first call does (a state update, applied as the call applies it), and
+  ``eval_mox`` accepts the model with or without it."""
+
+  __slots__ = ('taken',)
+
+  def __init__(self):
+    self.taken: list = []
+
+  def hide(self, module) -> None:
+    names = _cached_names(type(module))
+    if names:
+      attrs = vars(module)
+      self.taken += [(attrs, name, attrs.pop(name)) for name in names
+                     if name in attrs]
+
+  def restore(self) -> None:
+    for attrs, name, value in reversed(self.taken):
+      attrs[name] = value
+    self.taken.clear()
+
+
+_CACHED_NAMES: dict[type, tuple] = {}
+
+
+def _cached_names(ty: type) -> tuple:
+  """The ``functools.cached_property`` attributes of module class ``ty``."""
+  names = _CACHED_NAMES.get(ty)
+  if names is None:
+    names = _CACHED_NAMES[ty] = tuple(sorted({
+        name for cls in ty.__mro__ for name, attr in vars(cls).items()
+        if isinstance(attr, functools.cached_property)}))
+  return names
+
+
+def _nnx_split(nodes: tuple, hidden: _HiddenCaches):
+  """``nnx.split(nodes)`` with the modules' caches hidden."""
+  for _, node, kind in graph_nodes(nodes):
+    if kind == _MODULE:
+      hidden.hide(node)
+  return nnx.split(nodes)
 
 
 class PytreeGraph:
@@ -832,7 +841,8 @@ class PytreeGraph:
     return f'PytreeGraph({self.treedef})'
 
 
-def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
+def _pytree_split(nodes: tuple, hidden: _HiddenCaches | None = None
+                  ) -> tuple[PytreeGraph, Any] | None:
   """``(PytreeGraph, state)`` for graph nodes that JAX's pytree flatten
   splits as ``nnx.split`` does, at a fraction of its cost (Flax modules
   are pytrees): the state is ``nnx.split``'s (every Variable at its path, in
@@ -849,6 +859,8 @@ def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
     if kind == _VARIABLE or kind == _MODULE or is_graph_node(x):
       shared = shared or id(x) in seen
       seen.add(id(x))
+      if kind == _MODULE and hidden is not None:
+        hidden.hide(x)  # (before the flatten reads its attributes)
     return kind == _VARIABLE
 
   try:
@@ -863,8 +875,8 @@ def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
       return None
     node = nested
     for k in keypath[:-1]:
-      node = node.setdefault(_key(k), {})
-    node[_key(keypath[-1])] = var
+      node = node.setdefault(key_name(k), {})
+    node[key_name(keypath[-1])] = var
   state = nnx.State(nested)
   in_order = jtu.tree_leaves(state, is_leaf=_is_variable)
   if len(in_order) != len(flat) or any(
@@ -890,6 +902,10 @@ def apply_updates(result, args, kwargs):
     return result
   leaves = jtu.tree_leaves((args, kwargs), is_leaf=is_graph_node)
   nodes = [x for x in leaves if is_graph_node(x)]
+  if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(
+      result.updates)):  # (replayed under a transformation)
+    result.updates = tuple(_without_traced_caches(node, u)
+                           for node, u in zip(nodes, result.updates))
   if len(nodes) > 1:  # apply all at once: shared variables live in one place
     nnx.update(tuple(nodes), nnx.State(
         {k: u for k, u in enumerate(result.updates) if len(u)}))
@@ -909,6 +925,30 @@ def _constructing(module) -> bool:
       return True
     frame = frame.f_back
   return False
+
+
+def _without_traced_caches(node, update):
+  """``update`` (the state updates of graph node ``node``) less the caches
+  computed in a transformation: a ``functools.cached_property`` value
+  holding a tracer would outlive its trace (plain NNX leaks it there, and
+  fails on the next call). The next replay computes the cache again, as
+  the trace splits models without their caches (``_HiddenCaches``)."""
+  names = _cached_names(type(node)) if _node_kind(
+      type(node)) == _MODULE else ()
+  children = None
+  kept = {}
+  for key, value in update.items():
+    if key in names and _is_variable(value) and any(
+        isinstance(x, jax.core.Tracer) for x in _value_leaves(value)):
+      continue
+    if isinstance(value, Mapping):  # the updates of a child node
+      if children is None:
+        children = dict(nnx_node_items(node))
+      child = children.get(key)
+      if child is not None:
+        value = _without_traced_caches(child, value)
+    kept[key] = value
+  return nnx.State(kept)
 
 
 def bridged_class(module) -> type | None:
@@ -1017,7 +1057,7 @@ class TraceScope:
       if changed:
         flat = jtu.tree_flatten_with_path(copies, is_leaf=_is_variable)[0]
         for i in changed:
-          path = tuple(_key(k) for k in flat[i][0])
+          path = tuple(key_name(k) for k in flat[i][0])
           updates[path[0]][path[1:]] = flat[i][1]
     else:
       # Every Variable of the copies after the call, at its nnx.split path
@@ -1052,7 +1092,7 @@ def _leaf_paths(treedef) -> tuple:
   paths = []
   for keypath, _ in jtu.tree_flatten_with_path(
       jtu.tree_unflatten(treedef, [0] * treedef.num_leaves))[0]:
-    keys = [_key(k) for k in keypath]
+    keys = [key_name(k) for k in keypath]
     if keys and keys[-1] == 'value':  # the Variable's own value field
       keys = keys[:-1]
     paths.append(_str_path(keys))
@@ -1092,7 +1132,7 @@ def _model_prefixes(args, kwargs) -> list:
 
 def _argument_prefix(keypath) -> tuple:
   """``args[1]`` -> ``('1',)``; ``kwargs['model']`` -> ``('model',)``."""
-  keys = [_key(k) for k in keypath]
+  keys = [key_name(k) for k in keypath]
   return _str_path(keys[1:])
 
 
@@ -1154,7 +1194,7 @@ def own_variables(mox) -> dict:
   (not its submodules'; collections named as in :func:`variable_groups`,
   paths as ``nnx.state`` shows them: ``kernel``, ``rngs/count``)."""
   tree = jtu.tree_unflatten(mox.var_tree, list(range(mox.num_vars)))
-  paths = ['/'.join(str(_key(k)) for k in kp)
+  paths = ['/'.join(str(key_name(k)) for k in kp)
            for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
   out: dict = {}
   for path, sym, (kind, is_param, own) in zip(

@@ -82,17 +82,23 @@ class _LimitExceeded(BaseException):
 
 # ----------------------------------------------------------- expressions
 
+# White space between XPath tokens (XPath 1.0 ``S``). The viewer's
+# ``rewriteShorthand`` (viewer/viewer.js) uses the same four characters.
+XPATH_SPACE = ' \t\r\n'
+
+
 def rewrite_shorthand(expr: str) -> tuple[str, list[int]]:
   """Rewrites steps with no node test (``//[@k=v]``, ``a/[1]``) to ``*``.
 
   Older YAX examples write ``//[@name="relu"]`` for ``//*[@name="relu"]``.
   Returns the new text and the positions (in ``expr``) where ``*`` went in.
-  String literals are left alone.
+  String literals are left alone. ``yax.render_html``'s page does the same
+  in the browser (``rewriteShorthand`` in ``viewer/viewer.js``).
   """
   out = []
   inserted = []
   quote = None
-  last = ''  # the last non-blank character outside string literals
+  last = ''  # the last character outside string literals that is not space
   for i, ch in enumerate(expr):
     if quote is not None:
       if ch == quote:
@@ -105,7 +111,7 @@ def rewrite_shorthand(expr: str) -> tuple[str, list[int]]:
       out.append('*')
       inserted.append(i)
     out.append(ch)
-    if not ch.isspace():
+    if ch not in XPATH_SPACE:
       last = ch
   return ''.join(out), inserted
 

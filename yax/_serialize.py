@@ -92,10 +92,6 @@ def xml_attr_name(name) -> str:
   return xml_name(name)
 
 
-# ``text`` with characters XML cannot hold written as Python escapes.
-xml_text = escape_text
-
-
 def _unique(key: str, used) -> str:
   while key in used:
     key = '_' + key
@@ -104,7 +100,7 @@ def _unique(key: str, used) -> str:
 
 def _format(value) -> str | None:
   text = format_value(value, bools='xml')
-  return None if text is None else xml_text(text)
+  return None if text is None else escape_text(text)
 
 
 # ------------------------------------------------------------ attributes
@@ -147,16 +143,23 @@ def _equation_attrs(eqn: Equation) -> tuple[str, dict[str, str]]:
     tag = '_' + tag
   attrs = {'primitive': tag}
   if tag != prim_name:
-    attrs['jax_primitive'] = xml_text(prim_name)
-  for key, value in _equation_params(eqn).items():
+    attrs['jax_primitive'] = escape_text(prim_name)
+  _add_params(attrs, _equation_params(eqn).items(), _EQN_RESERVED)
+  return tag, attrs
+
+
+def _add_params(attrs: dict[str, str], params, reserved: frozenset) -> None:
+  """Adds the ``(key, value)`` params that have a text form to ``attrs``,
+  each under its XML name; a name that is ``reserved`` or taken already
+  gets ``_`` prefixes until it is free (``_name``, ``__name``...)."""
+  for key, value in params:
     text = _format(value)
     if text is None:
       continue
     key = xml_attr_name(key)
-    if key in _EQN_RESERVED or key in attrs:
+    if key in reserved or key in attrs:
       key = _unique('_' + key, attrs)
     attrs[key] = text
-  return tag, attrs
 
 
 def _key_text(key) -> str:
@@ -187,31 +190,23 @@ def _var_paths(mox: Mox) -> list[str]:
         f'module_call at {"/".join(map(str, mox.path)) or "<root>"}: its '
         f'var_tree has {n} leaves but flattening it with paths gave '
         f'{len(paths)}; the pytree node types in it are inconsistent')
-  return [xml_text(truncate(p, 200)) for p in paths]
+  return [escape_text(truncate(p, 200)) for p in paths]
 
 
 def _mox_attrs(mox: Mox) -> dict[str, str]:
   attrs = {'primitive': 'module_call'}
   ty = mox.module_ty
   if ty is not None:
-    attrs['type'] = xml_text(ty.__name__)
-    attrs['fqn'] = xml_text(f'{ty.__module__}.{ty.__qualname__}')
+    attrs['type'] = escape_text(ty.__name__)
+    attrs['fqn'] = escape_text(f'{ty.__module__}.{ty.__qualname__}')
   if mox.name is not None:
-    attrs['name'] = xml_text(str(mox.name))
+    attrs['name'] = escape_text(str(mox.name))
   if mox.path:
-    attrs['path'] = xml_text('/'.join(map(str, mox.path)))
+    attrs['path'] = escape_text('/'.join(map(str, mox.path)))
   if mox.entrypoint is not None:
-    attrs['method'] = xml_text(str(mox.entrypoint))
-  for key, value in mox.params.items():
-    if key == 'name':
-      continue
-    text = _format(value)
-    if text is None:
-      continue
-    key = xml_attr_name(key)
-    if key in _MOX_RESERVED or key in attrs:
-      key = _unique('_' + key, attrs)
-    attrs[key] = text
+    attrs['method'] = escape_text(str(mox.entrypoint))
+  _add_params(attrs, ((k, v) for k, v in mox.params.items() if k != 'name'),
+              _MOX_RESERVED)
   attrs['ephemeral'] = 'true' if mox.is_ephemeral else 'false'
   return attrs
 
@@ -298,7 +293,7 @@ def _format_type(aval) -> str:
     # that is not a JAX abstract value (or None); its type is then shown as
     # its repr (test_symbol_with_an_odd_aval).
     text = safe_repr(aval, 200)
-  return _escape(xml_text(text))
+  return _escape(escape_text(text))
 
 
 class XmlView:
@@ -396,9 +391,11 @@ class _Builder:
       symbol('input', sym, var_paths[i] if i < nvars else '')
     children = node.children
     if isinstance(node, Equation) and children:
-      keys = [_body_key(k) for k in node.body_keys]
+      # A view shows any tree, one check_mox refuses too: a body without a
+      # key gets none (the keys are cut or padded to the bodies).
+      keys = [_body_key(k) for k in node.body_keys[:len(children)]]
       keys += [None] * (len(children) - len(keys))
-      for child, key in zip(children, keys):
+      for child, key in zip(children, keys, strict=True):
         self.node(child, key)
     else:
       for child in children:
@@ -410,8 +407,8 @@ class _Builder:
 
 def _body_key(key) -> str:
   if isinstance(key, tuple):
-    return xml_text('/'.join(map(str, key)))
-  return xml_text(str(key))
+    return escape_text('/'.join(map(str, key)))
+  return escape_text(str(key))
 
 
 def _check_expr(expr):
@@ -449,18 +446,17 @@ def xml_view(expr: Expr) -> XmlView:
   return view
 
 
-def to_xml(expr: Expr) -> etree._Element:
-  """A fresh copy of the XML view of ``expr`` (an lxml element you may edit)."""
-  import copy
-  return copy.deepcopy(xml_view(expr).root)
-
-
 # ---------------------------------------------------------------- dumping
 
-def _open(fileobj, mode):
+def _write(fileobj, data, mode: str) -> None:
+  """Writes ``data`` to ``fileobj``: a path (opened with ``mode``, ASCII for
+  text, and closed here) or a file object (left open)."""
   if isinstance(fileobj, (str, os.PathLike)):
-    return open(fileobj, mode, **({} if 'b' in mode else {'encoding': 'ascii'}))
-  return None
+    with open(fileobj, mode,
+              **({} if 'b' in mode else {'encoding': 'ascii'})) as f:
+      f.write(data)
+  else:
+    fileobj.write(data)
 
 
 def _serialize_xml(expr: Expr, indent: int | None) -> bytes:
@@ -489,13 +485,7 @@ def dump_xml(mox: Expr, fileobj: IO[str] | str | os.PathLike,
   XML declaration, so it is valid whatever the file's encoding. Elements and
   attributes are described in ``docs/xml-schema.md``.
   """
-  text = _serialize_xml(mox, indent).decode('ascii')
-  own = _open(fileobj, 'w')
-  if own is not None:
-    with own:
-      own.write(text)
-  else:
-    fileobj.write(text)
+  _write(fileobj, _serialize_xml(mox, indent).decode('ascii'), 'w')
 
 
 _SYMBOL_TAGS = ('input', 'output')  # an equation is never named so
@@ -562,14 +552,10 @@ def dump_yson(mox: Expr, fileobj: IO[bytes] | str | os.PathLike,
     data = yson.dumps(obj, yson_format='text')
   else:
     data = yson.dumps(obj, yson_format='pretty', indent=indent)
-  own = _open(fileobj, 'wb')
-  if own is not None:
-    with own:
-      own.write(data)
-  else:
-    fileobj.write(data)
+  _write(fileobj, data, 'wb')
 
 
-# Mox.to_dict / Mox.to_json: _ir does not import this module.
+# Mox.to_dict / Mox.to_json: the data model (``_ir``) does not import this
+# module.
 register_view('dict', to_dict)
 register_view('json', to_json)

@@ -22,8 +22,10 @@ unchanged subtrees are shared between the old and the new tree.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
-from typing import Any, Callable, Sequence, Union
+import weakref
+from typing import Callable, Sequence, Union
 
 import jax
 from jax import tree_util as jtu
@@ -32,6 +34,9 @@ from yax import _lower, _nnx, _rules
 from yax._containers import set_in
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, Var, iter_nodes
+from yax._variables import (NNX_GROUP, VarEntry, key_name, location,
+                            unboxed_path, var_entries, var_keys, var_kind,
+                            with_variables)
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -49,81 +54,19 @@ def _where(node: Expr, path: tuple = ()) -> str:
           f"'{'/'.join(path) or '<root>'}'")
 
 
-def _key_name(key) -> Any:
-  """The dict key, attribute name or index of one step of a key path."""
-  if isinstance(key, (jtu.DictKey, jtu.FlattenedIndexKey)):
-    return key.key
-  if isinstance(key, jtu.GetAttrKey):
-    return key.name
-  if isinstance(key, jtu.SequenceKey):
-    return key.idx
-  raise SubstitutionError(
-      f'internal: a key path step of unknown kind {type(key).__name__} '
-      f'({key!r}); expected DictKey, GetAttrKey, SequenceKey or '
-      'FlattenedIndexKey')
-
-
-# The variable group of NNX variables: an NNX model keeps all its Variables
-# in one state (an ``nnx.State`` or the module itself), where Linen splits
-# them into collections. A location ``('nnx', *module path, *name)`` is the
-# Variable's place in that state.
-NNX_GROUP = 'nnx'
-
-
-def var_keys(mox: Mox) -> list[tuple]:
-  """``(group, *name)`` of each variable input of a module call, Linen and
-  NNX alike: ``('params', 'kernel')`` for a Linen Dense, ``('nnx',
-  'kernel')`` for an NNX Linear, ``('nnx', 'lin', 'kernel')`` for a
-  submodule's Variable an NNX call reads."""
-  if mox.num_vars == 0:
-    return []
-  placeholders = jtu.tree_unflatten(mox.var_tree, range(mox.num_vars))
-  keys = [tuple(str(_key_name(k)) for k in _unboxed_path(kp))
-          for kp, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-  if isinstance(placeholders, _nnx.VariableTree):
-    return [(NNX_GROUP, *k) for k in keys]
-  return keys
-
-
-def var_kind(mox: Mox, index: int) -> tuple[str, bool]:
-  """``(kind, is_param)`` of variable input ``index``: the Linen
-  collection, or the NNX Variable type (``nnx.Param`` subclasses are
-  parameters)."""
-  tree = jtu.tree_unflatten(mox.var_tree, [None] * mox.num_vars)
-  if isinstance(tree, _nnx.VariableTree):
-    return tree.kinds[index], tree.flags[index][0]
-  col = var_keys(mox)[index][0]
-  return col, col == 'params'
-
-
-def _unboxed_path(keypath: tuple) -> tuple:
-  """A key path without the ``value`` field of the box that holds the
-  array (a Linen ``nn.Partitioned``, an NNX Variable)."""
-  if keypath and isinstance(keypath[-1], jtu.GetAttrKey) and \
-      keypath[-1].name == 'value':
-    return keypath[:-1]
-  return keypath
-
-
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
   placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
   out = {}
   for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(_key_name(k) for k in _unboxed_path(keypath))
+    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
   return out
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
   """(location, symbol) for each variable input of a module call."""
-  return [((keys[0], *mox.path, *keys[1:]), sym)
-          for keys, sym in zip(var_keys(mox), mox.var_inputs, strict=True)]
-
-
-def _insert(tree, keys: Sequence, value):
-  """A copy of ``tree`` with ``value`` set at ``keys``; containers kept."""
-  return set_in(tree, keys, value)
+  return [(location(mox, e), e.symbol) for e in var_entries(mox)]
 
 
 def _same_type(a: Symbol, b: Symbol) -> bool:
@@ -144,6 +87,83 @@ def non_literals(symbols) -> list[Symbol]:
   return [s for s in symbols if not isinstance(s, Literal)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """Where a tree's variables sit in its root arguments, found once per
+  tree (:func:`locate`).
+
+  Attributes:
+    keypaths: root input symbol -> its key path in ``(args, kwargs)``.
+    locs: variable location ``(collection, *module path, *name)`` -> the
+      root-scope symbol that module calls read it as.
+    collections: collection -> the key path prefix it sits under
+      (``(0, 0, 'params')`` for ``model.apply(variables, x)``).
+    used_paths: every module path in use (calls and variable places).
+  """
+  keypaths: dict
+  locs: dict
+  collections: dict
+  used_paths: frozenset
+
+
+_located: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def locate(root: Mox) -> Located:
+  """The :class:`Located` facts of ``root`` (cached: trees are
+  immutable)."""
+  found = _located.get(root)
+  if found is None:
+    found = _locate(root)
+    _located[root] = found
+  return found
+
+
+def _locate(root: Mox) -> Located:
+  keypaths = root_keypaths(root)
+  locs: dict[Loc, Symbol] = {}
+  prefix: dict[str, tuple] = {}
+  # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
+  # input stands for the equation input it receives (``alias``).
+  stack = [(c, {}) for c in root.children]
+  # Where each collection sits: the prefix most variables agree on (the
+  # root call of a nested Module.apply reads weights of another module
+  # under a path of its own: it must not decide).
+  votes: dict[str, collections.Counter] = {}
+  all_locs: set = set()
+  while stack:
+    node, alias = stack.pop()
+    if isinstance(node, Equation):
+      for index, body in enumerate(node.children):
+        outer = _rules.body_input_sources(node, index)
+        inner = {b: alias.get(o, o)
+                 for b, o in zip(body.inputs, outer, strict=True)}
+        stack.extend((c, {**alias, **inner}) for c in body.children)
+      continue
+    stack.extend((c, alias) for c in node.children)
+    if node.is_ephemeral:
+      continue
+    for loc, sym in _var_locs(node):
+      all_locs.add(loc)
+      keypath = keypaths.get(alias.get(sym, sym))
+      if keypath is None:
+        continue  # not read from the arguments (computed inside fn)
+      if not alias:  # a symbol of the root scope
+        locs.setdefault(loc, sym)
+      tail = tuple(loc[1:])
+      if len(keypath) > len(tail) and tuple(
+          str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
+        votes.setdefault(loc[0], collections.Counter())[
+            tuple(keypath[:len(keypath) - len(tail)])] += 1
+  used_paths = {tuple(n.path) for n in iter_nodes(root)
+                if isinstance(n, Mox) and not n.is_ephemeral}
+  for loc in all_locs:
+    used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
+  for collection, counts in votes.items():
+    prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+  return Located(keypaths, locs, prefix, frozenset(used_paths))
+
+
 @dataclasses.dataclass
 class _Frame:
   """An enclosing module call being rebuilt; collects what propagates up."""
@@ -153,13 +173,28 @@ class _Frame:
   is_body: bool = False  # the body of an equation (nn.scan, nn.remat ...)
   # Constants of replacements, defined in this body (or the root).
   new_consts: list = dataclasses.field(default_factory=list)  # (Var, value)
+  # Named inputs (see ``substitute``'s ``inputs``) read in this body (or
+  # the root): one symbol per name, shared by every replacement here.
+  named: dict = dataclasses.field(default_factory=dict)  # name -> Var
+
+
+class _InputKey(_rules.ConstKey):
+  """The key of a named input passed into a body: loop-invariant, like a
+  constant (``scan`` passes it as a constant)."""
+
+  @property
+  def name(self) -> str:
+    return self[1]
 
 
 class _Substitution:
 
   def __init__(self, root: Mox, targets: Sequence[Expr], repl: Replacement,
-               *, retype: bool = False):
+               *, retype: bool = False, inputs: dict | None = None):
     self.root = root
+    # Replacement input symbol -> the name of the root keyword argument it
+    # reads (one symbol per name and scope, however many sites read it).
+    self.named_inputs = {} if inputs is None else inputs
     # A replacement that keeps the node's path may store one of the node's
     # own variables in another type (yax.quantize: an int8 kernel); every
     # reader of the old variable is then renamed to the new one.
@@ -171,58 +206,36 @@ class _Substitution:
     self.ren: dict[Symbol, Symbol] = {}
     self.stack: list[_Frame] = []
     self.added: dict[Loc, Var] = {}  # new variables by location
+    self.retyped: dict[tuple, Var] = {}  # by root key path, once finished
     # NNX: the Variable type of each new variable, by location.
     self.kinds: dict[Loc, str] = {}
+    self._read: set | None = None
     # Per enclosing module call: how many sites of each replacement type.
     self.site_counts: dict[int, dict[str, int]] = {}
-    self._index_root()
+    found = locate(root)
+    self.keypaths, self.locs = found.keypaths, found.locs
+    self.prefix, self.used_paths = found.collections, found.used_paths
 
-  # -- where variables live in the root arguments
-
-  def _index_root(self):
-    root = self.root
-    self.keypaths = root_keypaths(root)
-    self.locs: dict[Loc, Symbol] = {}
-    self.prefix: dict[str, tuple] = {}  # collection -> root keypath prefix
-    # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
-    # input stands for the equation input it receives (``alias``).
-    stack = [(c, {}) for c in root.children]
-    # Where each collection sits: the prefix most variables agree on (the
-    # root call of a nested Module.apply reads weights of another module
-    # under a path of its own: it must not decide).
-    votes: dict[str, collections.Counter] = {}
-    all_locs: set = set()
-    while stack:
-      node, alias = stack.pop()
-      if isinstance(node, Equation):
-        for index, body in enumerate(node.children):
-          outer = _rules.body_input_sources(node, index)
-          inner = {b: alias.get(o, o) for b, o in zip(body.inputs, outer)}
-          stack.extend((c, {**alias, **inner}) for c in body.children)
-        continue
-      stack.extend((c, alias) for c in node.children)
-      if node.is_ephemeral:
-        continue
-      for loc, sym in _var_locs(node):
-        all_locs.add(loc)
-        keypath = self.keypaths.get(alias.get(sym, sym))
-        if keypath is None:
-          continue  # not read from the arguments (computed inside fn)
-        if not alias:  # a symbol of the root scope
-          self.locs.setdefault(loc, sym)
-        tail = tuple(loc[1:])
-        if len(keypath) > len(tail) and tuple(
-            str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-          votes.setdefault(loc[0], collections.Counter())[
-              tuple(keypath[:len(keypath) - len(tail)])] += 1
-
-    # Every module path in use: module calls and where variables sit.
-    self.used_paths = {tuple(n.path) for n in iter_nodes(root)
-                       if isinstance(n, Mox) and not n.is_ephemeral}
-    for loc in all_locs:
-      self.used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
-    for collection, counts in votes.items():
-      self.prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+  def collection_prefix(self, collection: str) -> tuple | None:
+    """Where ``collection`` sits in the root arguments, or where a rewrite
+    creates it (a replacement may bring the first variable of a collection
+    the arguments lack): next to another collection (``args[0]
+    ['batch_stats']`` gives ``args[0]['params']``), else in a first
+    argument that is an empty mapping (what ``Module.init`` gives a
+    parameter-free Linen model). None when there is no such place."""
+    found = self.prefix.get(collection)
+    if found is not None or collection == NNX_GROUP:
+      return found
+    for other, prefix in self.prefix.items():
+      if prefix and prefix[-1] == other:
+        return (*prefix[:-1], collection)
+    if self.root.in_tree is None:
+      return None
+    args, _ = jtu.tree_unflatten(self.root.in_tree,
+                                 range(len(self.root.inputs)))
+    if args and isinstance(args[0], collections.abc.Mapping) and not args[0]:
+      return (0, 0, collection)
+    return None
 
   # -- the walk
 
@@ -290,51 +303,18 @@ class _Substitution:
                         module_ty=None)
 
   def _grow_vars(self, node: Mox, var_inputs, new_vars):
-    tree = jtu.tree_unflatten(node.var_tree, var_inputs) if node.num_vars else {}
+    """The call's variables with the new ones of its scope added."""
     n = len(node.path)
-    if isinstance(tree, _nnx.VariableTree) or any(
-        loc[0] == NNX_GROUP for loc, _ in new_vars):
-      return self._grow_nnx_vars(node, var_inputs, new_vars)
+    added = []
     for loc, sym in new_vars:
       if tuple(loc[1:1 + n]) != node.path:
         continue  # the variable lives outside this module's scope
-      tree = _insert(tree, (loc[0], *loc[1 + n:]), sym)
-    leaves, var_tree = jtu.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
-    return leaves, var_tree
-
-  def _grow_nnx_vars(self, node: Mox, var_inputs, new_vars):
-    """NNX: new Variables join the call's typed variable tree."""
-    n = len(node.path)
-    entries, leaves = [], []
-    if node.num_vars:
-      tree = jtu.tree_unflatten(node.var_tree, var_inputs)
-      if not isinstance(tree, _nnx.VariableTree):
-        raise SubstitutionError(
-            f'{describe(node)} is a Linen call that runs NNX modules (a '
-            'ToLinen bridge); the new variables of the NNX modules inside '
-            'it cannot be added to its Linen variables yet. Trace the NNX '
-            'model itself (its split form) to rewrite it')
-      for keys, sym, kind, flags in zip(
-          var_keys(node), var_inputs, tree.kinds, tree.flags, strict=True):
-        entries.append((keys[1:], (kind, *flags)))
-        leaves.append(sym)
-    seen = {e[0] for e in entries}
-    for loc, sym in new_vars:
       rel = tuple(loc[1 + n:])
-      if loc[0] != NNX_GROUP or tuple(loc[1:1 + n]) != node.path or \
-          rel in seen:
-        continue
-      seen.add(rel)
-      kind = self.kinds.get(loc, 'Param')
-      entries.append((rel, (kind, _nnx.is_param_kind(kind), len(rel) == 1)))
-      leaves.append(sym)
-    treedef = _nnx.variable_treedef(entries)
-    order = {rel: i for i, (rel, _) in enumerate(entries)}
-    flat = jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, range(len(entries))))[0]
-    ordered = [leaves[order[tuple(str(_key_name(k)) for k in kp)]]
-               for kp, _ in flat]
-    return ordered, treedef
+      kind = self.kinds.get(loc, 'Param') if loc[0] == NNX_GROUP else loc[0]
+      is_param = (_nnx.is_param_kind(kind) if loc[0] == NNX_GROUP
+                  else kind == 'params')
+      added.append(VarEntry(loc[0], kind, rel, is_param, len(rel) == 1, sym))
+    return with_variables(node, var_inputs, added)
 
   def _grow_args(self, in_tree, arg_inputs, new_args):
     if not new_args:
@@ -353,11 +333,13 @@ class _Substitution:
       return eqn.replace(inputs=inputs)
     where = _where(eqn, self.enclosing_path())
     bodies, needed, const_values = [], [], {}
-    for index, (body, form) in enumerate(zip(eqn.children, eqn.body_forms)):
+    for index, (body, form) in enumerate(
+        zip(eqn.children, eqn.body_forms, strict=True)):
       frame = _Frame(body, [], [], is_body=True)
       self.stack.append(frame)
       children = self.rebuild_children(body.children)
       self.stack.pop()
+      body = self._retype_body_inputs(eqn, index, body, inputs)
       if frame.new_args:
         raise SubstitutionError(
             f'the replacement inside the body of {where} needs '
@@ -378,6 +360,8 @@ class _Substitution:
             key = _rules.ConstKey(('const', id(var)))
             const_values[key] = value
             needed.append(_rules.Needed(index, key, var))
+      for name, inner in frame.named.items():
+        needed.append(_rules.Needed(index, _InputKey(('input', name)), inner))
       seen = {}
       for loc, inner in frame.new_vars:
         seen.setdefault(loc, inner)
@@ -396,7 +380,11 @@ class _Substitution:
                        self.stack[0])
       outer_vars = []
       for key, var in done.outer:
-        if isinstance(key, _rules.ConstKey):
+        if isinstance(key, _InputKey):  # the enclosing scope's symbol
+          shared = self._named_input(key.name, var.aval)
+          self._register_named(key.name, shared)
+          inputs = [shared if s is var else s for s in inputs]
+        elif isinstance(key, _rules.ConstKey):
           enclosing.new_consts.append((var, const_values[key]))
         else:
           outer_vars.append((key, var))
@@ -410,6 +398,35 @@ class _Substitution:
     if inputs == eqn.inputs and _same_nodes(bodies, eqn.children):
       return eqn
     return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
+
+  def _retype_body_inputs(self, eqn: Equation, index: int, body: Mox,
+                          inputs: list) -> Mox:
+    """A body input that a replacement inside retyped (a kernel stored
+    quantized) makes the equation input it receives retyped too: same
+    shape (stacked, for a scan), the new dtype. ``inputs`` (the
+    equation's, renamed) is updated in place."""
+    if not self.retype or not any(s in self.ren for s in body.inputs):
+      return body
+    positions = _rules.body_input_positions(eqn, index)
+    new_inputs = []
+    for sym, pos in zip(body.inputs, positions, strict=True):
+      new = self.ren.get(sym)
+      if new is None:
+        new_inputs.append(sym)
+        continue
+      outer = eqn.inputs[pos]
+      renamed = self.ren.get(outer)
+      if renamed is None:
+        renamed = Var(outer.aval.update(dtype=new.aval.dtype))
+        self.ren[outer] = renamed
+      elif renamed.aval.dtype != new.aval.dtype:
+        raise SubstitutionError(
+            f'cannot substitute inside {_where(eqn, self.enclosing_path())}: '
+            f'its input {pos} is read as {renamed.type_str} and as '
+            f'{new.type_str} by two replacements')
+      inputs[pos] = renamed
+      new_inputs.append(new)
+    return body.replace(inputs=new_inputs)
 
   def _sibling_position(self, body: Mox, loc) -> int | None:
     """Position among the body inputs of a variable in the same module."""
@@ -426,6 +443,32 @@ class _Substitution:
               if sym in body_inputs:
                 return body_inputs.index(sym)
     return None
+
+  # -- named inputs
+
+  def _named_input(self, name: str, aval) -> Var:
+    """The symbol of the named input in the innermost scope (a body or
+    the root), fresh when this scope reads it for the first time."""
+    home = next((f for f in reversed(self.stack) if f.is_body), self.stack[0])
+    var = home.named.get(name)
+    if var is None:
+      return Var(aval)
+    if not _same_type(var, Var(aval)):
+      raise SubstitutionError(
+          f'the named input {name!r} is read as {var.type_str} and as '
+          f'{Var(aval).type_str}; one name holds one type')
+    return var
+
+  def _register_named(self, name: str, var: Var) -> None:
+    """Every module call up to the scope takes ``var`` as an argument;
+    the scope (a body, threaded out by its equation, or the root, a
+    keyword argument) records it."""
+    for frame in reversed(self.stack):
+      if frame.is_body or frame is self.stack[0]:
+        frame.named.setdefault(name, var)
+        return
+      if not any(a is var for a in frame.new_args):
+        frame.new_args.append(var)
 
   # -- one replacement
 
@@ -457,6 +500,7 @@ class _Substitution:
     wiring: dict[Symbol, Symbol] = {}
     retyped: list[tuple[Symbol, Var]] = []
     extra_args: list[Var] = []
+    named: list[tuple[str, Var]] = []
     new_vars: list[tuple[Loc, Var]] = []
     # Constants are defined in the innermost body (or the root) around the
     # node, since a body cannot read symbols of the scope outside it.
@@ -496,6 +540,10 @@ class _Substitution:
               f'replacement has type {sym.type_str} but the node passes '
               f'{target.type_str}')
         wiring[sym] = target
+      elif sym in self.named_inputs:
+        shared = self._named_input(self.named_inputs[sym], sym.aval)
+        wiring[sym] = shared
+        named.append((self.named_inputs[sym], shared))
       else:
         fresh = Var(sym.aval)
         wiring[sym] = fresh
@@ -513,7 +561,9 @@ class _Substitution:
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
     for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
-      if not _same_type(old, new):
+      if not _same_type(old, new) and not (
+          self.retype and not any(f.is_body for f in self.stack)
+          and old not in self.read_symbols()):
         raise SubstitutionError(
             f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
@@ -531,6 +581,8 @@ class _Substitution:
       frame.new_args.extend(extra_args)
       if frame.is_body:  # the equation holding the body threads them out
         break
+    for name, var in named:
+      self._register_named(name, var)
     if is_module:
       params = dict(copied.params)
       params['name'] = name
@@ -586,7 +638,7 @@ class _Substitution:
               'replacement module another name')
         wiring[sym] = existing
         continue
-      if keys[0] not in self.prefix:
+      if self.collection_prefix(keys[0]) is None:
         raise SubstitutionError(
             f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
@@ -597,29 +649,46 @@ class _Substitution:
       if loc[0] == NNX_GROUP:
         self.kinds[loc] = var_kind(template, template.var_inputs.index(sym))[0]
 
+  def read_symbols(self) -> set:
+    if self._read is None:
+      self._read = read_symbols(self.root)
+    return self._read
+
   # -- the root
 
   def finish_root(self, children, frame: _Frame) -> Mox:
     root = self.root
     inputs = [self.rename(s) for s in root.inputs]  # retyped variables
     in_tree = root.in_tree
-    if frame.new_vars or frame.new_args:
+    if frame.new_vars or frame.new_args or frame.named:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
       seen = set()
       for loc, sym in frame.new_vars:
         if loc in seen:
           continue
         seen.add(loc)
-        prefix = self.prefix[loc[0]]
+        prefix = self.collection_prefix(loc[0])
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
-        placeholders = _insert(placeholders, (*prefix, *loc[1:]), value)
+        placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:
         args, kwargs = placeholders
         placeholders = (tuple(args) + tuple(frame.new_args), kwargs)
+      if frame.named:  # keyword arguments of the root
+        args, kwargs = placeholders
+        taken = sorted(set(frame.named) & set(kwargs))
+        if taken:
+          raise SubstitutionError(
+              f'the rewrite adds the keyword argument {taken[0]!r}, which the '
+              'traced function already takes')
+        placeholders = (args, {**kwargs, **frame.named})
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
+    # Variables read in another type now (quantized kernels), by key path.
+    self.retyped = {self.keypaths[old]: new for old, new in zip(
+        root.inputs, (self.rename(s) for s in root.inputs), strict=True)
+                    if new is not old and old in self.keypaths}
     outputs = [self.rename(s) for s in root.outputs]
     constvars = list(root.constvars) + [v for v, _ in frame.new_consts]
     consts = list(root.consts) + [c for _, c in frame.new_consts]
@@ -640,12 +709,15 @@ def _unwrap_traced_module(root: Mox):
 
 
 class _Copier:
-  """Copies a replacement with fresh symbols, wired through ``wiring``."""
+  """Copies a replacement with fresh symbols, wired through ``wiring``;
+  ``fixed`` names the symbol a copy defines in place of a fresh one."""
 
-  def __init__(self, wiring: dict, node: Expr, where: str = ''):
+  def __init__(self, wiring: dict, node: Expr, where: str = '',
+               fixed: dict | None = None):
     self.map = dict(wiring)
     self.node = node
     self.where = where or _where(node)
+    self.fixed = {} if fixed is None else fixed
 
   def read(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
@@ -662,7 +734,9 @@ class _Copier:
   def define(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
       return sym
-    new = Var(sym.aval, dropped=sym.dropped)
+    new = self.fixed.pop(sym, None)
+    if new is None:
+      new = Var(sym.aval, dropped=sym.dropped)
     self.map[sym] = new
     return new
 
@@ -670,7 +744,8 @@ class _Copier:
     if isinstance(expr, Equation):
       inputs = [self.read(s) for s in expr.inputs]
       # Bodies of sub-jaxprs are closed: copy them with their own symbols.
-      bodies = [_Copier({}, self.node, self.where).copy_closed(b) for b in expr.children]
+      bodies = [_Copier({}, self.node, self.where).copy_closed(b)
+                for b in expr.children]
       outputs = [self.define(s) for s in expr.outputs]
       return expr.replace(inputs=inputs, outputs=outputs, children=bodies)
     inputs = [self.read(s) for s in expr.inputs]
@@ -683,6 +758,35 @@ class _Copier:
       self.define(s)
     return self.copy(body).replace(
         constvars=[self.map[s] for s in body.constvars])
+
+
+def inline(traced: Mox, inputs, outputs=None) -> list[Expr]:
+  """The nodes of ``traced`` (the root of ``make_mox(f)(...)``), copied
+  with fresh symbols to be spliced into another scope: they read
+  ``inputs`` where ``traced`` reads its non-literal inputs, and its
+  constants as the same symbols (whoever splices them keeps
+  ``traced.constvars``/``consts`` in scope). With ``outputs``, the copies
+  define those symbols where ``traced`` defines its outputs (each output
+  must be computed by ``traced``, not one of its inputs)."""
+  params = non_literals(traced.inputs)
+  if len(params) != len(inputs):
+    raise SubstitutionError(
+        f'internal: a traced function of {len(params)} inputs spliced with '
+        f'{len(inputs)}')
+  wiring = dict(zip(params, inputs, strict=True))
+  wiring.update((v, v) for v in traced.constvars)
+  fixed = {}
+  if outputs is not None:
+    fixed = {old: new for old, new in zip(traced.outputs, outputs,
+                                          strict=True)
+             if not isinstance(old, Literal)}
+  copier = _Copier(wiring, traced, 'a traced function', fixed)
+  nodes = [copier.copy(c) for c in traced.children]
+  if copier.fixed:
+    raise SubstitutionError(
+        f'internal: {len(copier.fixed)} outputs of a spliced function are '
+        'not computed by it')
+  return nodes
 
 
 def describe(item) -> str:
@@ -699,6 +803,52 @@ def describe(item) -> str:
   if len(text) > 80:
     text = text[:77] + '...'
   return f'a {type(item).__name__} ({text})'
+
+
+def _xpath_string(text: str) -> str:
+  return f"'{text}'" if '"' in text else f'"{text}"'
+
+
+def _excluding(node: Expr, others=()) -> str:
+  """An XPath condition true exactly for ``node``'s call site(s); with
+  its method when ``others`` (the rest of the selection) holds a call of
+  another method at the same path (Embed's lookup next to its attend). A
+  call without a path (a head run by a nested ``Module.apply``) is named
+  by its type and name at an empty path; an equation by its primitive."""
+  if isinstance(node, Equation):
+    return f'self::{node.prim.name}'
+  if node.path:
+    condition = f"@path={_xpath_string('/'.join(node.path))}"
+    if node.entrypoint and any(
+        o.path == node.path and o.entrypoint != node.entrypoint
+        for o in others if isinstance(o, Mox)):
+      condition += f' and @method={_xpath_string(node.entrypoint)}'
+    return condition
+  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
+  if node.name:
+    parts.append(f'@name={_xpath_string(node.name)}')
+  parts.append('string(@path)=""')
+  return ' and '.join(parts)
+
+
+def leave_out_hint(problems, selection, targets=()) -> str:
+  """How a refusal ends: ``selection`` with a predicate that leaves out
+  the refused nodes (``problems``: ``(node, wrapped)``, wrapped for a node
+  inside a LoRA call), as ONE XPath on the last line."""
+  conditions = list(dict.fromkeys(
+      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
+          n, targets) for n, wrapped in problems))
+  if len(conditions) > 1:
+    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
+  predicate = f"[not({' or '.join(conditions)})]"
+  if isinstance(selection, str):
+    simple = '|' not in selection and not selection.rstrip().endswith(')')
+    fixed = (selection + predicate if simple
+             else f'({selection}){predicate}')
+    them = 'it' if len(problems) == 1 else 'them'
+    return f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  return ('Leave them out of the node list, or select with an XPath such '
+          f'as:\n  //module_call[@type="Dense"]{predicate}')
 
 
 def _describe_selection(selection) -> str:
@@ -724,6 +874,16 @@ class Selection:
   targets: tuple
   ancestors: dict
   description: str
+
+  @property
+  def keypaths(self) -> dict:
+    """Root input symbol -> its key path in ``(args, kwargs)``."""
+    return locate(self.root).keypaths
+
+  @property
+  def collections(self) -> dict:
+    """Collection -> the key path prefix it sits under."""
+    return locate(self.root).collections
 
 
 def select(selection, mox: Mox) -> Selection:
@@ -847,11 +1007,22 @@ class Rewrite:
       ``collection -> key path prefix`` (``(0, 0, 'params')`` for
       ``model.apply(variables, x)``, ``(1, 'params')`` for HF style
       ``model(x, params=p)``).
+    retyped: the variables the new tree reads in another type (``retype``:
+      a kernel stored quantized), by key path in the root arguments, as
+      the root's new inputs (stacked, for a variable of a scan body).
   """
   mox: Mox
   replaced: tuple
   added: dict
   collections: dict
+  retyped: dict = dataclasses.field(default_factory=dict)
+
+
+def read_symbols(root: Mox) -> set:
+  """Every symbol some equation or call under ``root`` reads (a call's
+  output that none reads is only returned: its type may change)."""
+  return {s for n in iter_nodes(root) if n is not root for s in n.inputs
+          if not isinstance(s, Literal)}
 
 
 def collections_of(mox: Mox) -> dict:
@@ -861,14 +1032,19 @@ def collections_of(mox: Mox) -> dict:
   ``{'params': (0, 0, 'params')}`` for ``make_mox(model.apply)(variables,
   x)``; what :attr:`Rewrite.collections` reports, without rewriting.
   """
-  return dict(_Substitution(mox, (), None).prefix)
+  return dict(locate(mox).collections)
 
 
 def substitute(selection, repl: Replacement, mox: Mox, *,
-               retype: bool = False) -> Rewrite:
+               retype: bool = False, inputs: dict | None = None) -> Rewrite:
   """Like :func:`sub`, but returns a :class:`Rewrite` saying what it did.
   ``retype``: a replacement keeping a node's path may store the node's own
-  variables in other types (the tree then reads the new types there)."""
+  variables in other types (the tree then reads the new types there).
+  ``inputs``: replacement input symbol -> name: such an input beyond the
+  node's arguments is the root keyword argument ``name`` (one symbol for
+  every site, passed into lifted-transform bodies as a loop constant),
+  e.g. a PRNG key every replacement reads. A callable replacement may add
+  entries to the dict before it returns its template."""
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'sub expects a Mox as the tree to rewrite, found '
                             f'{type(mox).__name__}')
@@ -879,11 +1055,12 @@ def substitute(selection, repl: Replacement, mox: Mox, *,
         f'the selection {selection.description} was made on another tree')
   chosen = selection if isinstance(selection, Selection) else select(
       selection, mox)
-  run = _Substitution(mox, chosen.targets, repl, retype=retype)
+  run = _Substitution(mox, chosen.targets, repl, retype=retype,
+                      inputs=inputs)
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),
-                 dict(run.prefix))
+                 dict(run.prefix), dict(run.retyped))
 
 
 def sub(selection, repl: Replacement, mox: Mox) -> Mox:

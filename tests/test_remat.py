@@ -1,0 +1,245 @@
+"""yax.remat against the same models written with nn.remat / nnx.remat and
+Hugging Face's gradient_checkpointing=True: outputs, gradients, the
+residuals JAX saves for the backward pass, and XLA's memory analysis."""
+
+from __future__ import annotations
+
+import io
+
+import flax.linen as nn
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import yax
+from helpers import (assert_trees_close, check_rewrite, equations, modules,
+                     saved_residuals)
+
+
+def xla_memory(fn, *args) -> tuple:
+  """XLA's memory analysis of the compiled gradient of ``fn``."""
+  m = jax.jit(jax.grad(fn)).lower(*args).compile().memory_analysis()
+  return (m.argument_size_in_bytes, m.output_size_in_bytes,
+          m.temp_size_in_bytes, m.alias_size_in_bytes)
+
+
+def xml(mox) -> str:
+  buf = io.StringIO()
+  yax.dump_xml(mox, buf)
+  return buf.getvalue()
+
+
+class Block(nn.Module):
+  save: bool = False  # the reference for save=: names the Dense outputs
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    if self.save:
+      h = jax.ad_checkpoint.checkpoint_name(h, 'h')
+    y = nn.Dense(8)(jnp.tanh(jax.nn.gelu(h)))
+    if self.save:
+      y = jax.ad_checkpoint.checkpoint_name(y, 'y')
+    return x + jnp.sin(y)
+
+
+class Stack(nn.Module):
+  remat: bool = False
+  policy: object = None
+  save: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(Block, policy=self.policy) if self.remat else Block
+    for i in range(2):
+      x = block(save=self.save, name=f'block{i}')(x)
+    return nn.Dense(3)(x)
+
+
+X = jax.random.normal(jax.random.key(1), (4, 6, 8))
+STACK = Stack()
+VARS = STACK.init(jax.random.key(0), X)
+
+
+def loss_of(apply):
+  return lambda v, x: jnp.sum(jnp.cos(apply(v, x)))
+
+
+@pytest.fixture(scope='module')
+def stack_mox():
+  return yax.make_mox(STACK.apply)(VARS, X)
+
+
+@pytest.mark.parametrize('policy', [
+    None, 'dots_saveable', jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'everything_saveable'])
+def test_remat_equals_nn_remat(stack_mox, policy):
+  before = xml(stack_mox)
+  new = check_rewrite(yax.remat(stack_mox, '//module_call[@type="Block"]',
+                               policy=policy))
+  assert xml(stack_mox) == before  # mox unchanged
+  fn = policy if not isinstance(policy, str) else getattr(
+      jax.checkpoint_policies, policy)
+  ref = Stack(remat=True, policy=fn)
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref.apply)
+  assert_trees_close(yax.eval_mox(new, VARS, X), ref.apply(VARS, X))
+  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
+  # Remat changes what is kept: without a policy only the inputs are.
+  if policy is None:
+    plain = loss_of(STACK.apply)
+    assert len(saved_residuals(mine, VARS, X)) < len(
+        saved_residuals(plain, VARS, X))
+
+
+def test_remat_shows_its_policy_in_xml(stack_mox):
+  new = yax.remat(stack_mox, '//module_call[@type="Block"]',
+                  policy='dots_saveable')
+  assert xml(new).count('remat="dots_saveable"') == 2
+  assert len(yax.query('//module_call[@remat="dots_saveable"]', new)) == 2
+  new = yax.remat(stack_mox, '//module_call[@type="Block"]')
+  assert xml(new).count('remat="nothing_saveable"') == 2
+  # The calls keep their type, path and variables.
+  assert [m.path for m in modules(new, 'Block')] == [('block0',), ('block1',)]
+
+
+def test_save_keeps_the_selected_outputs(stack_mox):
+  new = check_rewrite(yax.remat(stack_mox, '//module_call[@type="Block"]',
+                                save='//module_call[@type="Dense"]'))
+  ref = Stack(remat=True, save=True,
+              policy=jax.checkpoint_policies.save_only_these_names('h', 'y'))
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref.apply)
+  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
+                     rtol=1e-5, atol=1e-6)
+  got = saved_residuals(mine, VARS, X)
+  assert got == saved_residuals(theirs, VARS, X)
+  assert got.count('f32[4,6,16]') == 2 and got.count('f32[4,6,8]') >= 2
+  assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
+  assert len(equations(new, prim='name')) == 4
+
+
+def test_refusals(stack_mox):
+  with pytest.raises(yax.SubstitutionError, match='unknown policy'):
+    yax.remat(stack_mox, '//module_call[@type="Block"]', policy='dots')
+  with pytest.raises(yax.SubstitutionError, match='remat applies to module'):
+    yax.remat(stack_mox, '//tanh')
+  with pytest.raises(yax.SubstitutionError, match='selects no node inside'):
+    yax.remat(stack_mox, '//module_call[@name="block0"]',
+              save='//module_call[@path="block1/Dense_0"]')
+  with pytest.raises(yax.SubstitutionError, match='matched no'):
+    yax.remat(stack_mox, '//module_call[@type="Conv"]')
+
+
+def test_remat_under_jit_vmap_and_grad(stack_mox):
+  new = yax.remat(stack_mox, '//module_call[@type="Block"]')
+  ref = Stack(remat=True)
+  xs = jnp.stack([X, 2 * X])
+  got = jax.jit(jax.vmap(lambda x: yax.eval_mox(new, VARS, x)))(xs)
+  assert_trees_close(got, jax.vmap(lambda x: ref.apply(VARS, x))(xs),
+                     rtol=1e-5, atol=1e-6)
+  g = jax.jit(jax.vmap(jax.grad(loss_of(lambda v, x: yax.eval_mox(new, v, x))),
+                       (None, 0)))(VARS, xs)
+  r = jax.vmap(jax.grad(loss_of(ref.apply)), (None, 0))(VARS, xs)
+  assert_trees_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+class Scanned(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(Block) if self.remat else Block
+    body = nn.scan(lambda m, c, _: (m(c), None), variable_axes={'params': 0},
+                   split_rngs={'params': True}, length=3)
+    x, _ = body(block(name='layers'), x, None)
+    return x
+
+
+def test_remat_inside_an_nn_scan_body():
+  model = Scanned()
+  v = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(v, X)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="Block"]'))
+  ref = Scanned(remat=True)
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref.apply)
+  assert_trees_close(jax.grad(mine)(v, X), jax.grad(theirs)(v, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v, X) == saved_residuals(theirs, v, X)
+  assert xla_memory(mine, v, X) == xla_memory(theirs, v, X)
+
+
+class NBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+    self.fc2 = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.sin(self.fc2(jnp.tanh(jax.nn.gelu(self.fc1(x)))))
+
+
+class NStack(nnx.Module):
+  def __init__(self, rngs, remat=False):
+    self.blocks = nnx.List([NBlock(rngs) for _ in range(2)])
+    self.remat = remat
+
+  def __call__(self, x):
+    for block in self.blocks:
+      if self.remat:
+        x = nnx.remat(lambda b, x: b(x))(block, x)
+      else:
+        x = block(x)
+    return x
+
+
+def test_remat_equals_nnx_remat():
+  model = NStack(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  ref_def, _ = nnx.split(NStack(nnx.Rngs(0), remat=True))
+
+  def plain(state, x):
+    return nnx.merge(graphdef, state)(x)
+
+  def reference(state, x):
+    return nnx.merge(ref_def, state)(x)
+
+  mox = yax.make_mox(plain)(state, X)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="NBlock"]'))
+  mine = loss_of(lambda s, x: yax.eval_mox(new, s, x))
+  theirs = loss_of(reference)
+  assert_trees_close(yax.eval_mox(new, state, X), reference(state, X))
+  assert_trees_close(jax.grad(mine)(state, X), jax.grad(theirs)(state, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, state, X) == saved_residuals(theirs, state, X)
+  assert xla_memory(mine, state, X) == xla_memory(theirs, state, X)
+
+
+def test_remat_equals_hugging_face_gradient_checkpointing():
+  from transformers import BertConfig, FlaxBertModel
+  config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=37,
+                      max_position_embeddings=64)
+  model = FlaxBertModel(config, seed=0)
+  ref = FlaxBertModel(config, seed=0, gradient_checkpointing=True)
+  ids = (jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 7) % 99
+
+  def plain(p, ids):
+    return model(ids, params=p).last_hidden_state
+
+  mox = yax.make_mox(plain)(model.params, ids)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="FlaxBertLayer"]'))
+  mine = lambda p, ids: jnp.sum(jnp.cos(yax.eval_mox(new, p, ids)))
+  theirs = lambda p, ids: jnp.sum(jnp.cos(
+      ref(ids, params=p).last_hidden_state))
+  assert_trees_close(jax.grad(mine)(model.params, ids),
+                     jax.grad(theirs)(model.params, ids), rtol=1e-4, atol=1e-5)
+  assert saved_residuals(mine, model.params, ids) == saved_residuals(
+      theirs, model.params, ids)
+  assert xla_memory(mine, model.params, ids) == xla_memory(
+      theirs, model.params, ids)
