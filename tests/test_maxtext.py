@@ -22,7 +22,6 @@ a silent skip there is a defect), which makes it fail.
 
 import functools
 import importlib
-import importlib.util
 import os
 import tempfile
 import types
@@ -37,15 +36,11 @@ import numpy as np
 import pytest
 
 import yax
-from helpers import assert_trees_close, jit_call
+from helpers import (assert_trees_close, import_required, jit_call,
+                     trained_adapters)
 
 INSTALL = ('python3.12 -m venv .venv && .venv/bin/pip install -e ".[test]" '
            '&& bash tests/install_real_models.sh .venv/bin/python')
-
-
-def _required() -> bool:
-  return os.environ.get('YAX_REQUIRE_MAXTEXT', '').strip().lower() not in (
-      '', '0', 'false', 'no')
 
 
 # MaxText sets this Flax flag at import, for every later Flax user: it is
@@ -55,29 +50,24 @@ _FLAG = 'flax_always_shard_variable'
 
 
 def import_maxtext():
-  if importlib.util.find_spec('maxtext') is None:
-    msg = f'MaxText is not installed (Python >= 3.12; run: {INSTALL})'
-    if _required():
-      pytest.fail(msg + '; YAX_REQUIRE_MAXTEXT is set', pytrace=False)
-    pytest.skip(msg, allow_module_level=True)
-  saved = getattr(flax.config, _FLAG, None)
   names = ('configs.pyconfig', 'layers.quantizations', 'models.models',
            'utils.maxtext_utils')
-  try:
-    with warnings.catch_warnings():
-      # MaxText's imports use names JAX and Flax deprecate: not YAX's calls.
-      warnings.simplefilter('ignore', DeprecationWarning)
-      found = {n.split('.')[-1]: importlib.import_module(f'maxtext.{n}')
-               for n in names}
-  except ImportError as e:
-    if _required():
-      raise
-    pytest.skip(f'MaxText does not import ({e}); run: {INSTALL}',
-                allow_module_level=True)
-  finally:
-    if saved is not None:
-      flax.config.update(_FLAG, saved)
-  return types.SimpleNamespace(**found)
+
+  def load():
+    saved = getattr(flax.config, _FLAG, None)
+    try:
+      with warnings.catch_warnings():
+        # MaxText's imports use names JAX and Flax deprecate: not YAX's.
+        warnings.simplefilter('ignore', DeprecationWarning)
+        return {n.split('.')[-1]: importlib.import_module(f'maxtext.{n}')
+                for n in names}
+    finally:
+      if saved is not None:
+        flax.config.update(_FLAG, saved)
+
+  return types.SimpleNamespace(**import_required(
+      'maxtext', 'MaxText 0.2.5 (Python >= 3.12)', 'YAX_REQUIRE_MAXTEXT',
+      INSTALL, load))
 
 
 mt = import_maxtext()
@@ -298,11 +288,7 @@ def check_lora(m, selection):
     assert res.paths
     assert_trees_close(jit_eval(res.mox, res.params, *m.args), m.expected,
                        **TOL)
-    rng = np.random.default_rng(2)
-    trained = jax.tree.map(
-        lambda v, is_adapter: v + jnp.asarray(
-            rng.normal(0.0, 0.3, np.shape(v)), v.dtype) if is_adapter else v,
-        res.params, res.mask)
+    trained = trained_adapters(res.params, res.mask)
     adapted = jit_eval(res.mox, trained, *m.args)
     assert not np.allclose(adapted, m.expected, **TOL)
     merged = res.merge(trained)
