@@ -609,3 +609,16 @@ def test_on_a_2x4_host_mesh(tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   assert 'FEWBIT-MESH-OK' in proc.stdout
+
+
+def test_docs_table_is_the_shipped_tables_error():
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+          'memory.md').read_text()
+  rows = re.findall(r'^\| `(\w+)` \| (.*) \|$', text, re.M)
+  assert sorted(name for name, _ in rows) == sorted(ACTS)
+  for name, cells in rows:
+    shown = [float(c) for c in cells.split(' | ')]
+    shipped = [_fewbit.table(name, b)[2] for b in _fewbit.BITS]
+    np.testing.assert_allclose(shown, shipped, rtol=0.05, atol=0)
