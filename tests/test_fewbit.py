@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from scipy import special
 
 import yax
-from helpers import assert_trees_close, modules
+from helpers import assert_trees_close, run_on_host_devices
 from yax import _fewbit
 
 ACTS = {
@@ -403,31 +403,26 @@ def test_selection_and_refusals():
   assert str(mox) == before
 
 
+class ScanBlock(nn.Module):
+  act: object
+
+  @nn.compact
+  def __call__(self, c, _):
+    return self.act(nn.Dense(6)(c)), None
+
+
+class Stack(nn.Module):
+  act: object = nn.silu
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(ScanBlock, variable_axes={'params': 0},
+                   split_rngs={'params': True}, length=3)
+    return scan(self.act, name='scan')(x, None)[0]
+
+
 def test_inside_scan_bodies_and_under_vmap():
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, c, _):
-      return nn.silu(nn.Dense(6)(c)), None
-
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      scan = nn.scan(Block, variable_axes={'params': 0},
-                     split_rngs={'params': True}, length=3)
-      return scan(name='scan')(x, None)[0]
-
-  class RefBlock(nn.Module):
-    @nn.compact
-    def __call__(self, c, _):
-      return stepped('silu', 4)(nn.Dense(6)(c)), None
-
-  class RefStack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      scan = nn.scan(RefBlock, variable_axes={'params': 0},
-                     split_rngs={'params': True}, length=3)
-      return scan(name='scan')(x, None)[0]
-
+  RefStack = lambda: Stack(stepped('silu', 4))
   x = _inputs((2, 6))
   v = Stack().init(jax.random.key(0), x)
   mox = yax.make_mox(Stack().apply)(v, x)
@@ -592,33 +587,4 @@ print('FEWBIT-MESH-OK')
 
 
 def test_on_a_2x4_host_mesh(tmp_path):
-  import os
-  import pathlib
-  import subprocess
-  import sys
-  root = pathlib.Path(__file__).resolve().parent.parent
-  script = tmp_path / 'mesh.py'
-  script.write_text(MESH_SCRIPT)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(root), str(root / 'tests')] +
-      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  proc = subprocess.run([sys.executable, str(script)], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'FEWBIT-MESH-OK' in proc.stdout
-
-
-def test_docs_table_is_the_shipped_tables_error():
-  import pathlib
-  import re
-  text = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
-          'memory.md').read_text()
-  rows = re.findall(r'^\| `(\w+)` \| (.*) \|$', text, re.M)
-  assert sorted(name for name, _ in rows) == sorted(ACTS)
-  for name, cells in rows:
-    shown = [float(c) for c in cells.split(' | ')]
-    shipped = [_fewbit.table(name, b)[2] for b in _fewbit.BITS]
-    np.testing.assert_allclose(shown, shipped, rtol=0.05, atol=0)
+  run_on_host_devices(MESH_SCRIPT, tmp_path, 'FEWBIT-MESH-OK')
