@@ -141,3 +141,18 @@ def run_on_host_devices(script: str, tmp_path, done: str, devices: int = 8):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   assert done in proc.stdout
   return proc.stdout
+
+
+def saved_residuals(fn, *args) -> list[str]:
+  """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
+  own ``print_saved_residuals``), sorted; the arguments and literals
+  excluded, as they take no memory of their own."""
+  import io
+
+  import jax.ad_checkpoint
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
+                if line and ' from the argument ' not in line
+                and ' from a literal' not in line)

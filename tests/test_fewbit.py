@@ -9,13 +9,10 @@ derivatives in float64, Lloyd-style alternation on a fine grid).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 
 import flax.linen as nn
 import jax
-import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +22,7 @@ from hypothesis import strategies as st
 from scipy import special
 
 import yax
-from helpers import assert_trees_close, run_on_host_devices
+from helpers import assert_trees_close, run_on_host_devices, saved_residuals
 from yax import _fewbit
 
 ACTS = {
@@ -134,16 +131,6 @@ def test_bits_and_dtypes(bits):
               if hasattr(r, 'dtype')]
     assert res.dtype == jnp.uint8
     assert res.shape == (math.ceil(35 * bits / 8),)
-
-
-def saved_residuals(fn, *args) -> list[str]:
-  """Types of what JAX keeps for the backward pass of ``fn``, arguments
-  excluded (``jax.ad_checkpoint.print_saved_residuals``), sorted."""
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
-  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
-                if line and ' from the argument ' not in line)
 
 
 def test_saved_residuals_of_an_mlp_step():

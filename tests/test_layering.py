@@ -29,7 +29,8 @@ PACKAGE = 'yax'
 # it in this list, never from one below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ('foundations', ('_errors', '_compat', '_version')),
-    ('data model', ('_ir', '_markers', '_containers', '_format', '_variables')),
+    ('data model',
+     ('_ir', '_markers', '_containers', '_format', '_variables', '_arguments')),
     ('lowering and rules', ('_lower', '_rules', '_calls')),
     ('tracing', ('_trace', '_nnx')),
     ('running and viewing a tree',

@@ -755,6 +755,67 @@ def test_a_variable_cached_during_the_call_is_a_state_update():
                                 vars(own)['table'][...])
 
 
+class Stateful(nnx.Module):
+  """State that every call changes (dropout's RNG count, batch statistics)
+  and a RoPE-style table cached on the first call, as EasyDeL models have."""
+
+  def __init__(self, *, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  @functools.cached_property
+  def table(self):
+    return nnx.Variable(jnp.linspace(0.0, 1.0, 4))
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.linear(x))) * self.table[...]
+
+
+def _state_and_cache(model):
+  """The model's state values and its cached table (None before the first
+  call; read from the instance: reading the property would compute it)."""
+  cache = vars(model).get('table')
+  return (jax.tree.leaves(jax.tree.map(_plain, nnx.state(model))),
+          None if cache is None else np.asarray(cache[...]))
+
+
+def _assert_same_steps(a, b):
+  (sa, ca), (sb, cb) = _state_and_cache(a), _state_and_cache(b)
+  assert len(sa) == len(sb)
+  for x, y in zip(sa, sb):
+    np.testing.assert_allclose(x, y, **TOL)
+  assert (ca is None) == (cb is None)
+  if ca is not None:
+    np.testing.assert_array_equal(ca, cb)
+
+
+@pytest.mark.parametrize('traced_after_a_call', [False, True])
+def test_replay_step_after_step(traced_after_a_call):
+  """Three steps, as users run a model: each replay continues from the
+  state the previous one left (RNG counts, batch statistics, the cached
+  table the first call adds), eagerly and under nnx.jit, next to the
+  model's own calls. A tree traced before the first call accepts the model
+  after it, and one traced after it a model before it."""
+  x = X4
+  model = Stateful(rngs=rngs())
+  traced = nnx.clone(model)
+  if traced_after_a_call:
+    traced(x)
+    assert 'table' in vars(traced)
+  mox = yax.make_mox(lambda m, x: m(x))(traced, x)
+  own, eager, jitted = (nnx.clone(model) for _ in range(3))
+  replay = nnx.jit(lambda m, x: yax.eval_mox(mox, m, x))
+  for _ in range(3):
+    want = own(x)
+    assert_close(yax.eval_mox(mox, eager, x), want)
+    _assert_same_steps(eager, own)
+    assert_close(replay(jitted, x), want)
+    jitted_state, _ = _state_and_cache(jitted)
+    for got, expected in zip(jitted_state, _state_and_cache(own)[0]):
+      np.testing.assert_allclose(got, expected, **TOL)
+
+
 class SharedStateless(nnx.Module):
   """A module without variables reachable by two attribute paths."""
 

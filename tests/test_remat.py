@@ -4,7 +4,6 @@ residuals JAX saves for the backward pass, and XLA's memory analysis."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 
 import flax.linen as nn
@@ -15,17 +14,8 @@ import pytest
 from flax import nnx
 
 import yax
-from helpers import assert_trees_close, check_rewrite, equations, modules
-
-
-def saved_residuals(fn, *args) -> list[str]:
-  """The types of what JAX keeps for the backward pass of ``fn``, the
-  arguments excluded (JAX's own ``print_saved_residuals``), sorted."""
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
-  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
-                if line and ' from the argument ' not in line)
+from helpers import (assert_trees_close, check_rewrite, equations, modules,
+                     saved_residuals)
 
 
 def xla_memory(fn, *args) -> tuple:

@@ -137,4 +137,5 @@ def pp_expr(expr: Expr) -> str:
   return str(display_jaxpr(expr))
 
 
-register_view('text', pp_expr)  # str(expr): _ir does not import this module
+# str(expr): the data model (``_ir``) does not import this module.
+register_view('text', pp_expr)

@@ -33,7 +33,7 @@ import numpy as np
 
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Mox, iter_nodes
-from yax._lora import kernel_plan
+from yax._contraction import kernel_plan
 from yax._sub import describe, non_literals, select, substitute
 from yax._trace import make_mox
 

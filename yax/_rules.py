@@ -315,9 +315,9 @@ INPUT_RULES: dict[str, Callable[[Equation, int], list]] = {
 }
 
 
-def body_input_sources(eqn: Equation, index: int) -> list:
-  """For each input of body ``index`` of ``eqn``, the equation input (a
-  symbol of the enclosing scope) that it receives."""
+def body_input_positions(eqn: Equation, index: int) -> list[int]:
+  """For each input of body ``index`` of ``eqn``, the position of the
+  equation input that it receives."""
   rule = INPUT_RULES.get(eqn.prim.name)
   if rule is None:
     raise YaxError(
@@ -331,4 +331,10 @@ def body_input_sources(eqn: Equation, index: int) -> list:
         f'{eqn.prim.name}: body {eqn.body_keys[index]!r} has '
         f'{len(body.inputs)} inputs, which do not match the equation\'s '
         f'{len(eqn.inputs)} inputs')
-  return [eqn.inputs[p] for p in positions]
+  return positions
+
+
+def body_input_sources(eqn: Equation, index: int) -> list:
+  """For each input of body ``index`` of ``eqn``, the equation input (a
+  symbol of the enclosing scope) that it receives."""
+  return [eqn.inputs[p] for p in body_input_positions(eqn, index)]

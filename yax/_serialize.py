@@ -555,6 +555,7 @@ def dump_yson(mox: Expr, fileobj: IO[bytes] | str | os.PathLike,
   _write(fileobj, data, 'wb')
 
 
-# Mox.to_dict / Mox.to_json: _ir does not import this module.
+# Mox.to_dict / Mox.to_json: the data model (``_ir``) does not import this
+# module.
 register_view('dict', to_dict)
 register_view('json', to_json)
