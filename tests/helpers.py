@@ -121,6 +121,30 @@ def random_variables(model, seed, *args, **kwargs):
       shapes)
 
 
+def run_on_host_devices(script: str, tmp_path, done: str, devices: int = 8):
+  """Runs ``script`` in a fresh Python with ``devices`` host CPU devices
+  (the count is fixed when JAX starts) and ``tests/`` importable; asserts
+  it exits cleanly and prints ``done``. Returns its stdout."""
+  import os
+  import pathlib
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parent.parent
+  path = tmp_path / 'on_host_devices.py'
+  path.write_text(script)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      f' --xla_force_host_platform_device_count={devices}'
+                      ).strip()
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(root), str(root / 'tests')] +
+      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  proc = subprocess.run([sys.executable, str(path)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  assert done in proc.stdout
+  return proc.stdout
+
+
 def saved_residuals(fn, *args) -> list[str]:
   """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
   own ``print_saved_residuals``), sorted; the arguments and literals
