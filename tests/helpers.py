@@ -132,3 +132,26 @@ def saved_residuals(fn, *args) -> list[str]:
   return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
                 if line and ' from the argument ' not in line
                 and ' from a literal' not in line)
+
+
+def run_on_8_host_devices(tmp_path, script: str, marker: str) -> None:
+  """Runs ``script`` in a fresh Python process with 8 host CPU devices
+  (the device count is fixed when JAX starts, so XLA_FLAGS must be set
+  before); it must exit cleanly and print ``marker``."""
+  import os
+  import pathlib
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parent.parent
+  path = tmp_path / 'on_8_devices.py'
+  path.write_text(script)
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      ' --xla_force_host_platform_device_count=8').strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(root), str(root / 'tests')] +
+      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  proc = subprocess.run([sys.executable, str(path)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  assert marker in proc.stdout

@@ -8,10 +8,6 @@ lora and quantize, inside nn.scan bodies, on NNX, under jit/vmap and on a
 from __future__ import annotations
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import flax.linen as nn
@@ -24,9 +20,9 @@ import pytest
 from flax import nnx
 
 import yax
-from helpers import assert_trees_close, check_rewrite, saved_residuals
+from helpers import (assert_trees_close, check_rewrite, run_on_8_host_devices,
+                     saved_residuals)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = jax.random.PRNGKey(7)
 
 
@@ -354,16 +350,4 @@ MESH_SCRIPT = textwrap.dedent('''
 
 
 def test_remat_and_randomized_linear_on_a_2x4_mesh(tmp_path):
-  script = tmp_path / 'mesh.py'
-  script.write_text(MESH_SCRIPT)
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(ROOT), str(ROOT / 'tests')] +
-      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  proc = subprocess.run([sys.executable, str(script)], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'MEMORY-MESH-OK' in proc.stdout
+  run_on_8_host_devices(tmp_path, MESH_SCRIPT, 'MEMORY-MESH-OK')
