@@ -217,6 +217,16 @@ def test_composed_with_remat_lora_and_quantize(block_mox):
                1)(q.params, X),
       jax.grad(loss(lambda p, x: yax.eval_mox(q.mox, p, x)), 1)(q.params, X),
       rtol=1e-5, atol=1e-6)
+  # fewbit: both rewrites keep the forward pass bit for bit.
+  fb = yax.fewbit(block_mox)
+  fb_rl = check_rewrite(yax.randomized_linear(fb, LINEAR))
+  np.testing.assert_array_equal(
+      yax.eval_mox(fb_rl, VARS, X, sketch_key=KEY), BLOCK.apply(VARS, X))
+  assert_trees_close(
+      jax.grad(loss(lambda v, x: yax.eval_mox(fb_rl, v, x, sketch_key=KEY)),
+               1)(VARS, X),
+      jax.grad(loss(lambda v, x: yax.eval_mox(fb, v, x)), 1)(VARS, X),
+      rtol=1e-5, atol=1e-6)
   del exact
 
 
