@@ -573,3 +573,7 @@ def test_summary_counts_every_parameter(lm):
     unused = changed.lm_head.kernel.size
     assert unused == lm.config.hidden_size * VOCAB
   assert top.params == n_params(lm.model) - unused
+  # Each parameter read is the own parameter of one row: Mixtral's experts,
+  # read by the MoE block (inside a shard_map) from a submodule that is
+  # never called, are the block's own.
+  assert sum(r.own_params for r in yax.summary(lm.mox)) == top.params

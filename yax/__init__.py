@@ -27,7 +27,7 @@ from yax._ir import Literal as Literal
 from yax._ir import Mox as Mox
 from yax._ir import Symbol as Symbol
 from yax._ir import Var as Var
-from yax._ir import map_mox as map_mox
+from yax._trace import map_mox as map_mox
 from yax import _printing  # noqa: F401 - registers str(expr) with ``_ir``
 from yax._pattern import Match as Match
 from yax._pattern import explain_match as explain_match

@@ -11,16 +11,22 @@ the borders and levels minimise
     E[(f'(x) - s(x))**2],  x ~ N(0, 1).
 
 For fixed borders the best level of an interval is the mean of ``f'`` over
-it (weighted by the normal density), so only the borders are searched:
+it (weighted by the normal density), so only the borders are searched, on
+a grid of cells 1/1024 wide over [-8, 8] (the outer cells hold the tails):
 
-1. dynamic programming over a coarse grid of candidate borders (every
-   multiple of 1/64 in (-6, 6); 1/128 at 8 bits) finds the optimal
-   partition on that grid,
-   globally (``f'`` of GELU or SiLU is not monotone, so a local search from
-   a guess can stop in a worse partition);
-2. coordinate descent then moves each border over the grid of cells
-   (1/1024) near its place, each move keeping the levels optimal, until no move
-   lowers the error.
+1. starting partitions: up to 4 bits, the optimum over borders on a
+   coarser grid (every 1/64 within +-6), found globally by dynamic
+   programming (``f'`` of GELU or SiLU is not monotone, so a local search
+   from a guess can stop in a worse partition); the normal quantiles
+   ``i / K``; and the high-resolution optimum, whose interval widths have
+   density proportional to ``(phi * f''**2) ** (1/3)`` (at 8 bits the
+   error has many local optima a few percent apart, and this start lands
+   in the best one we found);
+2. from each, Lloyd-style alternation (each border where it best splits
+   its two fixed levels, then each level the mean of its interval) and
+   then coordinate descent (each border to its best place between its
+   neighbours, the two levels refitted) until nothing moves;
+3. the best end wins.
 
 Kinks of the piecewise-linear activations (0, +-1, +-3, 6) lie on the grid,
 so their tables are exact at the bits their pieces need (ReLU at 1 bit,
@@ -38,10 +44,9 @@ import numpy as np
 
 LO, HI = -8.0, 8.0
 FINE_PER_UNIT = 1024  # cells per unit: f' sampled at their midpoints
-# Candidate borders of the dynamic programme: every 1/64 (1/128 at 8 bits,
-# where the central intervals are narrower than 1/64) within +-6; past
-# that the normal density is below 1e-8.
-COARSE = {1: 64, 2: 64, 3: 64, 4: 64, 8: 128}
+# Candidate borders of the dynamic programme (up to 4 bits): every 1/64
+# within +-6; past that the normal density is below 1e-8.
+COARSE = 64
 SPAN = 6.0
 
 
@@ -104,27 +109,90 @@ def _partition(sums: _Sums, cuts: np.ndarray, k: int) -> list[int]:
   return [int(cuts[b]) for b in reversed(bounds)]
 
 
-def _descend(sums: _Sums, bounds: list[int], reach: int) -> list[int]:
-  """Moves each inner border within ``reach`` fine cells while that lowers
-  the error of its two intervals; stops when a sweep moves nothing."""
+def _descend(sums: _Sums, bounds: list[int]) -> list[int]:
+  """Moves each inner border to the best place between its neighbours
+  (the levels of its two intervals kept optimal) until a sweep moves
+  nothing: a local optimum of the continuous problem on the cells."""
   bounds = list(bounds)
-  for _ in range(2000):
+  for _ in range(5000):
     moved = False
     for t in range(1, len(bounds) - 1):
-      lo = max(bounds[t - 1], bounds[t] - reach)
-      hi = min(bounds[t + 1], bounds[t] + reach)
-      options = np.arange(lo, hi + 1)
+      options = np.arange(bounds[t - 1] + 1, bounds[t + 1])
+      if len(options) < 2:
+        continue
       errors = sums.cost(bounds[t - 1], options) + sums.cost(
           options, bounds[t + 1])
-      here = sums.cost(bounds[t - 1], bounds[t]) + sums.cost(
-          bounds[t], bounds[t + 1])
       pick = int(options[np.argmin(errors)])
-      if errors.min() < here - 1e-18 and pick != bounds[t]:
+      here = errors[bounds[t] - options[0]]
+      if pick != bounds[t] and errors.min() < here - 1e-18:
         bounds[t] = pick
         moved = True
     if not moved:
       break
   return bounds
+
+
+def _alternate(sums: _Sums, bounds: list[int]) -> list[int]:
+  """Lloyd-style alternation: with the levels fixed, each border moves to
+  where it best splits its two levels; then the levels become the means
+  again. It escapes optima where the descent stops (moving one border
+  with re-fitted levels cannot move a run of borders together)."""
+  bounds = list(bounds)
+  for _ in range(5000):
+    levels = [sums.mean(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    old = list(bounds)
+    for t in range(1, len(bounds) - 1):
+      a, b = bounds[t - 1], bounds[t + 1]
+      if b - a < 2:
+        continue
+      left, right = levels[t - 1], levels[t]
+      options = np.arange(a + 1, b)
+      # Error change of giving cells [a, p) to the left level.
+      w = sums.w[options] - sums.w[a]
+      wv = sums.wv[options] - sums.wv[a]
+      gain = (right - left) * (2 * wv - (left + right) * w)
+      bounds[t] = int(options[np.argmin(gain)])
+    if bounds == old:
+      break
+  return bounds
+
+
+def _error(sums: _Sums, bounds) -> float:
+  return sum(float(sums.cost(a, b)) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def _quantile_start(edges, k: int) -> list[int]:
+  """Borders at the normal quantiles i/k, on the cells."""
+  qs = [math.sqrt(2) * _erfinv(2 * i / k - 1) for i in range(1, k)]
+  at = np.searchsorted(edges, qs)
+  at = np.maximum.accumulate(np.clip(at, 1, len(edges) - 2))
+  at = at + np.arange(len(at))  # strictly increasing
+  return [0, *[int(a) for a in at], len(edges) - 1]
+
+
+def _companding_start(edges, weights, values, k: int) -> list[int]:
+  """Borders of the high-resolution optimum: interval widths spread with
+  density proportional to ``(phi * f''**2) ** (1/3)`` (the error of a
+  short interval of width ``h`` is ``phi f''^2 h^3 / 12``)."""
+  h = np.diff(edges)
+  curvature = np.gradient(values, (edges[:-1] + edges[1:]) / 2)
+  density = np.cbrt(weights / h * curvature ** 2) * h + 1e-12 * h
+  cum = np.cumsum(density)
+  at = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k) + 1
+  at = np.maximum.accumulate(np.clip(at, 1, len(edges) - 2))
+  at = np.maximum(at, np.arange(1, k))  # strictly increasing
+  for i in range(1, len(at)):
+    at[i] = max(at[i], at[i - 1] + 1)
+  return [0, *[int(a) for a in at], len(edges) - 1]
+
+
+def _erfinv(y: float) -> float:
+  """Inverse error function by bisection (no SciPy at runtime)."""
+  lo, hi = -6.0, 6.0
+  for _ in range(80):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if math.erf(mid) < y else (lo, mid)
+  return (lo + hi) / 2
 
 
 def solve(fn, bits: int):
@@ -134,14 +202,22 @@ def solve(fn, bits: int):
   edges, weights, mids = _cells(FINE_PER_UNIT)
   values = derivative(fn, mids)
   sums = _Sums(weights, values)
-  stride = FINE_PER_UNIT // COARSE[bits]
+  stride = FINE_PER_UNIT // COARSE
   inner = np.arange(0, len(weights) + 1, stride)
   inner = inner[np.abs(edges[inner]) < SPAN]
   cuts = np.concatenate([[0], inner, [len(weights)]])
-  bounds = _partition(sums, cuts, k)
-  bounds = _descend(sums, bounds, stride)
+  # Alternation then descent, from the grid optimum (up to 4 bits), the
+  # normal quantiles and the high-resolution optimum (at 8 bits the error
+  # has many local optima a few percent apart, and this start lands in
+  # the best we found): the best local optimum wins.
+  starts = [_quantile_start(edges, k),
+            _companding_start(edges, weights, values, k)]
+  if bits <= 4:
+    starts.append(_partition(sums, cuts, k))
+  bounds = min((_descend(sums, _alternate(sums, b)) for b in starts),
+               key=lambda b: _error(sums, b))
   levels = [sums.mean(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-  error = sum(float(sums.cost(a, b)) for a, b in zip(bounds[:-1], bounds[1:]))
+  error = _error(sums, bounds)
   borders = [float(edges[b]) for b in bounds[1:-1]]
   return borders, levels, math.sqrt(max(error, 0.0))
 

@@ -61,8 +61,8 @@ from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._formats import dequantize_array
 from yax._ir import Mox, Symbol, Var
-from yax._sub import (Selection, collections_of, describe, inline, select,
-                      substitute)
+from yax._sub import (Selection, collections_of, describe, inline,
+                      leave_out_hint, select, substitute)
 from yax._variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._trace import make_mox
 
@@ -112,8 +112,10 @@ def _path_str(node: Mox) -> str:
   return '/'.join(node.path)
 
 
-def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
-  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general."""
+def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int,
+                 stack: tuple = ()):
+  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general
+  (``stack``: kernel axes that lead both A and B)."""
   (lc, rc), (lb, rb) = c.dimension_numbers
   side = c.kernel_side
   kc, kb = (lc, rc)[side], (lb, rb)[side]
@@ -126,8 +128,10 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
     xs[xa] = op[ka]
   xs = [s or next(pool) for s in xs]
   contracted = sorted(c.perm[a] for a in kc)
-  a_sub = ''.join(var[v] for v in contracted) + 'r'
-  b_sub = 'r' + ''.join(var[v] for v in range(k_ndim) if v not in contracted)
+  lead = ''.join(var[v] for v in stack)
+  a_sub = lead + ''.join(var[v] for v in contracted) + 'r'
+  b_sub = lead + 'r' + ''.join(var[v] for v in range(k_ndim)
+                               if v not in contracted and v not in stack)
   h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + 'r'
   batch = ''.join(xs[i] for i in xb)
   x_free = ''.join(xs[i] for i in range(x_ndim) if i not in xc and i not in xb)
@@ -136,11 +140,12 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
   return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
 
 
-def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
+def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b, stack=()):
   """The change of the contraction's output for the kernel change
   ``A @ B``, computed without forming it: ``(x A) B``."""
   if c.kind == 'dot_general':
-    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim)
+    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim,
+                                                      stack)
     h = jnp.einsum(f'{x_sub},{a_sub}->{h_sub}', x, a)
     return jnp.einsum(f'{h_sub},{b_sub}->{out}', h, b)
   params = dict(c.params)
@@ -155,15 +160,22 @@ def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
 
 def _kernel_delta(plan: _contraction.KernelPlan, a, b):
   """``A @ B`` in the kernel's shape (leading axes of a stacked kernel, as
-  ``nn.scan`` makes them, kept)."""
+  ``nn.scan`` makes them, kept; moved back where a transpose took them
+  from, see ``KernelPlan.source_perm``)."""
   c, n = plan.contraction, len(plan.kernel_shape)
   if c.kind == 'dot_general':
-    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim)
-    return jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
-  out = c.dimension_numbers.rhs_spec[0]
-  rest = 'abcdefghijklmnopq'[:n - 1]
-  flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
-  return jnp.moveaxis(flat, -1, flat.ndim - n + out)
+    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim,
+                                                plan.stack)
+    delta = jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
+  else:
+    out = c.dimension_numbers.rhs_spec[0]
+    rest = 'abcdefghijklmnopq'[:n - 1]
+    flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
+    delta = jnp.moveaxis(flat, -1, flat.ndim - n + out)
+  perm = plan.source_perm
+  if perm is not None and delta.ndim == len(perm):
+    delta = jnp.transpose(delta, np.argsort(perm))
+  return delta
 
 
 # The traced adapter is only read (its symbols are re-wired per node), so one
@@ -171,11 +183,11 @@ def _kernel_delta(plan: _contraction.KernelPlan, a, b):
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
-                    x_aval, y_aval, dtype, scale):
+                    x_aval, y_aval, dtype, scale, stack=()):
   def adapter(y, x, a, b):
     for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(c, k_ndim, x.astype(dtype), a, b)
+    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack)
     delta = (scale * delta).astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
@@ -188,7 +200,7 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
 
 def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale):
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
-          plan.b_shape, x_aval, y_aval, dtype, scale)
+          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack)
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -231,48 +243,6 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: f
              var_tree=var_tree)
 
 
-def _xpath_string(text: str) -> str:
-  return f"'{text}'" if '"' in text else f'"{text}"'
-
-
-def _excluding(node: Mox, others=()) -> str:
-  """An XPath condition true exactly for ``node``'s call site(s); with
-  its method when ``others`` (the rest of the selection) holds a call of
-  another method at the same path (Embed's lookup next to its attend)."""
-  if node.path:
-    condition = f'@path={_xpath_string(_path_str(node))}'
-    if node.entrypoint and any(
-        o.path == node.path and o.entrypoint != node.entrypoint
-        for o in others if isinstance(o, Mox)):
-      condition += f' and @method={_xpath_string(node.entrypoint)}'
-    return condition
-  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
-  if node.name:
-    parts.append(f'@name={_xpath_string(node.name)}')
-  parts.append('string(@path)=""')
-  return ' and '.join(parts)
-
-
-def _hint(problems, selection, targets=()) -> str:
-  """The selection with a predicate that leaves the problem modules out."""
-  conditions = list(dict.fromkeys(
-      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
-          n, targets) for n, _, wrapped in problems))
-  if len(conditions) > 1:
-    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
-  predicate = f"[not({' or '.join(conditions)})]"
-  if isinstance(selection, str):
-    simple = '|' not in selection and not selection.rstrip().endswith(')')
-    fixed = (selection + predicate if simple
-             else f'({selection}){predicate}')
-    them = 'it' if len(problems) == 1 else 'them'
-    hint = f'Leave {them} out of the selection, e.g.:\n  {fixed}'
-  else:
-    hint = ('Leave them out of the node list, or select with an XPath such '
-            f'as:\n  //module_call[@type="Dense"]{predicate}')
-  return hint
-
-
 def _refuse(problems, chosen: Selection, selection):
   """One error for every module lora cannot adapt, with a way around."""
   lines = [f"  - {describe(n)}{f' (name {n.name!r})' if n.name else ''}: "
@@ -280,7 +250,8 @@ def _refuse(problems, chosen: Selection, selection):
   raise SubstitutionError(
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
-      '\n' + _hint(problems, selection, chosen.targets))
+      '\n' + leave_out_hint([(n, wrapped) for n, _, wrapped in problems],
+                             selection, chosen.targets))
 
 
 # ---------------------------------------------------------- argument checks
@@ -547,6 +518,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     removed), in ``trained``'s container types."""
     tied = [(path, plan) for (path, _), plan in merges if plan.tied]
     if tied:
+      heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
       raise SubstitutionError(
           'merge: ' + '; '.join(
               f"the adapter at params"
@@ -555,8 +527,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
               f'{plan.tied}' for path, plan in tied) +
           '. Merged into that kernel it would change every other reader '
           'too, so a tied head could no longer be tied: keep the adapters '
-          '(run res.mox with the trained params), or leave these modules '
-          'out of the selection to get mergeable adapters')
+          '(run res.mox with the trained params), or adapt the other '
+          'modules only to get mergeable adapters.\n' + leave_out_hint(
+              heads, selection, chosen.targets))
     out = trained
     for (module_path, names), plan in merges:
       keys = (*inside, *module_path)
@@ -576,7 +549,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         scale_name = f'{plan.kernel_name}_scale'
         kernel = dequantize_array(kernel, unboxed(get_in(
             out, (*keys, scale_name))), plan.quant, a.dtype,
-            tuple(v for v in plan.a_axes if v is not None))
+            plan.contracted)
         drop = (*names, scale_name)
       delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
@@ -604,6 +577,8 @@ def _adapter_axis_names(names, plan: _contraction.KernelPlan, is_a: bool):
   the contracted axes' then None, ``B`` None then the other axes'; leading
   names of a stacked kernel lead both. None if they do not fit."""
   names = tuple(names)
+  if plan.source_perm is not None and len(names) == len(plan.source_perm):
+    names = tuple(names[p] for p in plan.source_perm)  # as scanned
   n_stack = len(names) - len(plan.kernel_shape)
   if n_stack < 0:
     return None
@@ -629,8 +604,8 @@ def _adapter_value(kernel, plan: _contraction.KernelPlan, is_a: bool, shape, dty
   if isinstance(kernel, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   if is_a:
-    fan_in = math.prod(plan.a_shape[:-1])
-    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
+    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(
+        plan.fan_in)
   else:
     host = np.zeros(shape, np.float32)
   host = host.astype(dtype)

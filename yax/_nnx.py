@@ -595,6 +595,14 @@ def variable_like(kind: str, value, like, **changes):
   ``like`` (a Variable) updated by ``changes``, built without sharding a
   value (its ``eager_sharding`` flag is kept as metadata)."""
   meta = {**_metadata(like), **changes}
+  # ``like`` may carry its axis names under several keys (MaxText's Params:
+  # ``out_sharding`` and its deprecated alias ``sharding_names``); a new
+  # name goes under every one of them, or Flax would let the stale alias
+  # win over it.
+  named = [changes[k] for k in SHARDING_KEYS if k in changes]
+  aliases = [k for k in SHARDING_KEYS if k in meta]
+  if named:
+    meta.update((k, named[0]) for k in aliases)
   eager = meta.pop('eager_sharding', None)
   cls = variable_type(kind)
   try:
@@ -603,6 +611,9 @@ def variable_like(kind: str, value, like, **changes):
     proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
     if eager is not None:
       proto.set_metadata(eager_sharding=eager)
+    if len(aliases) > 1:  # the constructor folded the aliases: kept, as on
+      proto = cls.from_metadata(proto[...], {  # the kernel
+          **proto.get_metadata(), **{k: meta[k] for k in aliases}})
   except Exception as e:  # noqa: BLE001 - reported, never dropped
     # Why not fall back to a bare Variable: the adapter would silently lose
     # the kernel's sharding and the merged state would not fit the tree.

@@ -32,7 +32,7 @@ from yax._formats import (FORMATS, dequantize_array, quantize_array,
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Mox, Var
-from yax._sub import describe, inline, select, substitute
+from yax._sub import describe, inline, leave_out_hint, select, substitute
 from yax._variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._trace import make_mox
 
@@ -257,6 +257,11 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                        'parameter at its own path (a tied or computed '
                        'kernel)'))
       continue
+    if plan.source_perm is not None:
+      problems.append((node, f'its kernel {kernel.type_str} is a slice of a '
+                       'stacked param whose axes a transpose moved before '
+                       'the scan, which quantize does not follow yet'))
+      continue
     size = math.prod(plan.kernel_shape[i] for i in plan.contracted)
     if tile is not None and size % tile:
       problems.append((node, f'tile={tile} does not divide the {size} '
@@ -274,7 +279,8 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     raise SubstitutionError(
         f'quantize cannot quantize {len(problems)} of the '
         f'{len(chosen.targets)} module calls selected by '
-        f'{chosen.description}:\n{lines}')
+        f'{chosen.description}:\n{lines}\n' + leave_out_hint(
+            [(n, False) for n, _ in problems], selection, chosen.targets))
   # Every reader of a quantized kernel reads it quantized: another call
   # of the same module (Embed's lookup next to its attend) dequantizes the
   # same table; any other reader must be selected too.

@@ -22,6 +22,7 @@ unchanged subtrees are shared between the old and the new tree.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import weakref
 from typing import Callable, Sequence, Union
@@ -208,11 +209,33 @@ class _Substitution:
     self.retyped: dict[tuple, Var] = {}  # by root key path, once finished
     # NNX: the Variable type of each new variable, by location.
     self.kinds: dict[Loc, str] = {}
+    self._read: set | None = None
     # Per enclosing module call: how many sites of each replacement type.
     self.site_counts: dict[int, dict[str, int]] = {}
     found = locate(root)
     self.keypaths, self.locs = found.keypaths, found.locs
     self.prefix, self.used_paths = found.collections, found.used_paths
+
+  def collection_prefix(self, collection: str) -> tuple | None:
+    """Where ``collection`` sits in the root arguments, or where a rewrite
+    creates it (a replacement may bring the first variable of a collection
+    the arguments lack): next to another collection (``args[0]
+    ['batch_stats']`` gives ``args[0]['params']``), else in a first
+    argument that is an empty mapping (what ``Module.init`` gives a
+    parameter-free Linen model). None when there is no such place."""
+    found = self.prefix.get(collection)
+    if found is not None or collection == NNX_GROUP:
+      return found
+    for other, prefix in self.prefix.items():
+      if prefix and prefix[-1] == other:
+        return (*prefix[:-1], collection)
+    if self.root.in_tree is None:
+      return None
+    args, _ = jtu.tree_unflatten(self.root.in_tree,
+                                 range(len(self.root.inputs)))
+    if args and isinstance(args[0], collections.abc.Mapping) and not args[0]:
+      return (0, 0, collection)
+    return None
 
   # -- the walk
 
@@ -538,7 +561,9 @@ class _Substitution:
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
     for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
-      if not _same_type(old, new):
+      if not _same_type(old, new) and not (
+          self.retype and not any(f.is_body for f in self.stack)
+          and old not in self.read_symbols()):
         raise SubstitutionError(
             f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
@@ -613,7 +638,7 @@ class _Substitution:
               'replacement module another name')
         wiring[sym] = existing
         continue
-      if keys[0] not in self.prefix:
+      if self.collection_prefix(keys[0]) is None:
         raise SubstitutionError(
             f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
@@ -623,6 +648,11 @@ class _Substitution:
       new_vars.append((loc, fresh))
       if loc[0] == NNX_GROUP:
         self.kinds[loc] = var_kind(template, template.var_inputs.index(sym))[0]
+
+  def read_symbols(self) -> set:
+    if self._read is None:
+      self._read = read_symbols(self.root)
+    return self._read
 
   # -- the root
 
@@ -637,7 +667,7 @@ class _Substitution:
         if loc in seen:
           continue
         seen.add(loc)
-        prefix = self.prefix[loc[0]]
+        prefix = self.collection_prefix(loc[0])
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
@@ -773,6 +803,52 @@ def describe(item) -> str:
   if len(text) > 80:
     text = text[:77] + '...'
   return f'a {type(item).__name__} ({text})'
+
+
+def _xpath_string(text: str) -> str:
+  return f"'{text}'" if '"' in text else f'"{text}"'
+
+
+def _excluding(node: Expr, others=()) -> str:
+  """An XPath condition true exactly for ``node``'s call site(s); with
+  its method when ``others`` (the rest of the selection) holds a call of
+  another method at the same path (Embed's lookup next to its attend). A
+  call without a path (a head run by a nested ``Module.apply``) is named
+  by its type and name at an empty path; an equation by its primitive."""
+  if isinstance(node, Equation):
+    return f'self::{node.prim.name}'
+  if node.path:
+    condition = f"@path={_xpath_string('/'.join(node.path))}"
+    if node.entrypoint and any(
+        o.path == node.path and o.entrypoint != node.entrypoint
+        for o in others if isinstance(o, Mox)):
+      condition += f' and @method={_xpath_string(node.entrypoint)}'
+    return condition
+  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
+  if node.name:
+    parts.append(f'@name={_xpath_string(node.name)}')
+  parts.append('string(@path)=""')
+  return ' and '.join(parts)
+
+
+def leave_out_hint(problems, selection, targets=()) -> str:
+  """How a refusal ends: ``selection`` with a predicate that leaves out
+  the refused nodes (``problems``: ``(node, wrapped)``, wrapped for a node
+  inside a LoRA call), as ONE XPath on the last line."""
+  conditions = list(dict.fromkeys(
+      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
+          n, targets) for n, wrapped in problems))
+  if len(conditions) > 1:
+    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
+  predicate = f"[not({' or '.join(conditions)})]"
+  if isinstance(selection, str):
+    simple = '|' not in selection and not selection.rstrip().endswith(')')
+    fixed = (selection + predicate if simple
+             else f'({selection}){predicate}')
+    them = 'it' if len(problems) == 1 else 'them'
+    return f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  return ('Leave them out of the node list, or select with an XPath such '
+          f'as:\n  //module_call[@type="Dense"]{predicate}')
 
 
 def _describe_selection(selection) -> str:
@@ -940,6 +1016,13 @@ class Rewrite:
   added: dict
   collections: dict
   retyped: dict = dataclasses.field(default_factory=dict)
+
+
+def read_symbols(root: Mox) -> set:
+  """Every symbol some equation or call under ``root`` reads (a call's
+  output that none reads is only returned: its type may change)."""
+  return {s for n in iter_nodes(root) if n is not root for s in n.inputs
+          if not isinstance(s, Literal)}
 
 
 def collections_of(mox: Mox) -> dict:
