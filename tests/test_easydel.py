@@ -48,6 +48,7 @@ import numpy as np
 import pytest
 
 import yax
+from yax import _summary
 from helpers import assert_trees_close
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -557,11 +558,13 @@ def test_lora_on_the_mlp_linears(lm):
 
 
 def test_summary_counts_every_parameter(lm):
-  """The summary counts the parameters the call reads. Gemma 2 ties its
-  head to the embedding, yet EasyDeL also creates the head's own kernel,
-  which its forward never reads (changing it changes nothing): the model
-  holds that many parameters more than its forward uses."""
-  top = yax.summary(lm.mox)[0]
+  """Every parameter of the model sits in exactly one row and in the
+  total. Gemma 2 ties its head to the embedding, yet EasyDeL also creates
+  the head's own kernel, which its forward never reads (changing it changes
+  nothing): no call reads it, so it is the own param of the `lm_head` row
+  (the head is called, with the embedding), marked unread."""
+  rows = yax.summary(lm.mox)
+  top = rows[0]
   assert top.module == lm.spec['cls'] and top.path == ''
   unused = 0
   if getattr(lm.config, 'tie_word_embeddings', False):
@@ -572,8 +575,17 @@ def test_summary_counts_every_parameter(lm):
                        rtol=0, atol=0)
     unused = changed.lm_head.kernel.size
     assert unused == lm.config.hidden_size * VOCAB
-  assert top.params == n_params(lm.model) - unused
-  # Each parameter read is the own parameter of one row: Mixtral's experts,
+    # The head is called (with the embedding's transpose): its row owns
+    # the kernel it does not read.
+    head = [r for r in rows if r.path == 'lm_head']
+    assert len(head) == 1 and head[0].unread_params == unused, head
+    assert head[0].own_params == head[0].params == unused
+    assert any(v.startswith('kernel: ') and v.endswith('(unread)')
+               for v in head[0].variables), head[0].variables
+  assert sum(r.unread_params for r in rows) == unused
+  assert top.params == n_params(lm.model)
+  assert _summary.total_params(lm.mox)[0] == n_params(lm.model)
+  # Each parameter is the own parameter of one row: Mixtral's experts,
   # read by the MoE block (inside a shard_map) from a submodule that is
   # never called, are the block's own.
-  assert sum(r.own_params for r in yax.summary(lm.mox)) == top.params
+  assert sum(r.own_params for r in rows) == top.params
