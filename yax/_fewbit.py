@@ -90,12 +90,6 @@ def table(name: str, bits: int):
   return TABLES[name][bits]
 
 
-def step(name: str, bits: int, x) -> jax.Array:
-  """The step function that replaces ``f'``, at ``x`` (float32)."""
-  borders, levels, _ = table(name, bits)
-  return jnp.asarray(levels, jnp.float32)[encode(name, bits, x)]
-
-
 def encode(name: str, bits: int, x) -> jax.Array:
   """Interval index of each element of ``x`` (``uint8``, same shape)."""
   borders = jnp.asarray(table(name, bits)[0], jnp.float32)
@@ -109,19 +103,27 @@ def packed_size(n: int, bits: int) -> int:
   return math.ceil(n * bits / 8)
 
 
-_BYTE = np.uint8(1) << np.arange(8, dtype=np.uint8)  # bit weights in a byte
+def _group(bits: int) -> tuple[int, int]:
+  """``(codes, bytes)`` of the smallest whole-byte group of codes: 8 codes
+  in 3 bytes at 3 bits, 2 codes in 1 byte at 4 bits."""
+  codes = 8 // math.gcd(8, bits)
+  return codes, codes * bits // 8
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
-  """``uint8`` codes below ``2**bits`` -> ``ceil(n * bits / 8)`` bytes,
-  bit ``j`` of code ``i`` at bit ``i * bits + j`` of the stream."""
+  """``uint8`` codes below ``2**bits`` -> ``ceil(n * bits / 8)`` bytes;
+  bit ``j`` of code ``i`` is bit ``i * bits + j`` of the little-endian
+  byte stream. Each group of codes is one ``uint32`` word on the way."""
   flat = jnp.ravel(codes)
   if bits == 8:
     return flat
   n = flat.size
-  stream = ((flat[:, None] >> jnp.arange(bits, dtype=jnp.uint8)) & 1).ravel()
-  stream = jnp.pad(stream, (0, 8 * packed_size(n, bits) - n * bits))
-  return jnp.sum(stream.reshape(-1, 8) * _BYTE, axis=1, dtype=jnp.uint8)
+  g, nbytes = _group(bits)
+  grouped = jnp.pad(flat, (0, -n % g)).reshape(-1, g).astype(jnp.uint32)
+  shifts = jnp.arange(g, dtype=jnp.uint32) * bits
+  words = jnp.sum(grouped << shifts, axis=1, dtype=jnp.uint32)
+  out = (words[:, None] >> (8 * jnp.arange(nbytes, dtype=jnp.uint32))) & 255
+  return out.astype(jnp.uint8).ravel()[:packed_size(n, bits)]
 
 
 def unpack(packed: jax.Array, bits: int, shape) -> jax.Array:
@@ -129,10 +131,14 @@ def unpack(packed: jax.Array, bits: int, shape) -> jax.Array:
   n = math.prod(shape)
   if bits == 8:
     return packed.reshape(shape)
-  stream = ((packed[:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).ravel()
-  stream = stream[:n * bits].reshape(n, bits)
-  weights = jnp.uint8(1) << jnp.arange(bits, dtype=jnp.uint8)
-  return jnp.sum(stream * weights, axis=1, dtype=jnp.uint8).reshape(shape)
+  g, nbytes = _group(bits)
+  grouped = jnp.pad(packed, (0, -packed.size % nbytes)).reshape(-1, nbytes)
+  shifts = 8 * jnp.arange(nbytes, dtype=jnp.uint32)
+  words = jnp.sum(grouped.astype(jnp.uint32) << shifts, axis=1,
+                  dtype=jnp.uint32)
+  codes = (words[:, None] >> (jnp.arange(g, dtype=jnp.uint32) * bits)) & (
+      2 ** bits - 1)
+  return codes.astype(jnp.uint8).ravel()[:n].reshape(shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,7 +253,8 @@ def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
   ``softplus``, ``elu``, ``mish``, ``relu``, ``leaky_relu``, ``relu6``,
   ``hard_sigmoid``, ``hard_tanh``, ``hard_swish``) and ``bits``. Its output
   is the original's bit for bit; its gradient is the incoming gradient
-  times ``yax.fewbit_step(name, bits, x)``, and the backward pass keeps
+  times the activation's step function (the table of docs/memory.md,
+  ``yax/_fewbit_tables.py``), and the backward pass keeps
   ``ceil(n * bits / 8)`` bytes per activation of ``n`` elements.
 
   Raises ``SubstitutionError`` for ``bits`` outside that list, and when
