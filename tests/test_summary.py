@@ -420,3 +420,87 @@ def test_every_parameter_sits_in_one_row():
   assert rows['token_embedder'].own_params == 10 * 4
   assert rows['moe'].own_params == 3 * 4 * 4  # the experts' kernel
   assert rows['moe'].params == 3 * 4 * 4 + 4 * 3 + 3
+
+
+# ------------------------------- parameters the forward never reads
+
+def _n_leaves(tree) -> int:
+  return sum(int(np.size(x)) for x in jax.tree.leaves(tree))
+
+
+def _assert_each_param_in_one_row(mox, n_model):
+  rows = yax.summary(mox)
+  assert rows[0].params == n_model
+  assert sum(r.own_params for r in rows) == n_model
+  assert _summary.total_params(mox)[0] == n_model
+  yax.check_mox(mox)  # the calls' inputs stay what their bodies read
+  return {r.path: r for r in rows}
+
+
+def test_a_tied_head_kernel_never_read_sits_in_the_root_row():
+  """An NNX head tied to the embedding (the logits use the embedding's
+  transpose) that still owns a kernel, as EasyDeL's Gemma 2: the kernel is
+  read by no call, yet it is the model's, so the root row and the total
+  count it, marked unread."""
+  from flax import nnx
+
+  class Embed(nnx.Module):
+    def __init__(self):
+      self.embedding = nnx.Param(jnp.linspace(-1.0, 1.0, 40).reshape(10, 4))
+
+    def __call__(self, ids):
+      return self.embedding[...][ids]
+
+  class TiedLM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = Embed()
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+      self.lm_head = nnx.Linear(4, 10, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.lin(self.embed(ids)) @ self.embed.embedding[...].T
+
+  model = TiedLM(nnx.Rngs(0))
+  ids = jnp.array([[1, 2, 3]])
+  expected = model(ids)
+  model.lm_head.kernel[...] = model.lm_head.kernel[...] + 1.0
+  np.testing.assert_array_equal(model(ids), expected)  # truly never read
+  mox = yax.make_mox(lambda m, ids: m(ids))(model, ids)
+  rows = _assert_each_param_in_one_row(
+      mox, _n_leaves(nnx.state(model, nnx.Param)))
+  top = rows['']
+  assert top.unread_params == top.own_params == 4 * 10
+  assert 'lm_head/kernel: f32[4,10] (unread)' in top.variables
+  assert all(r.unread_params == 0 for r in rows.values() if r.path)
+  text = _summary.format_summary(mox)
+  assert 'Total params: 100 (400 B), 40 of them read by no module call' in text
+
+
+def test_a_linen_submodule_never_called_sits_in_its_parent_row():
+  """A Linen submodule created at init but not called on the traced path
+  (``aux=False``): its params are the owning module's, unread; the rows
+  above count them too."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, aux: bool = False):
+      y = nn.Dense(4, name='main')(x)
+      return y + nn.Dense(4, name='aux')(x) if aux else y
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, aux: bool = False):
+      return nn.Dense(2, name='head')(Block(name='block')(x, aux))
+
+  x = jnp.ones((1, 4))
+  variables = Net().init(jax.random.key(0), x, aux=True)
+  mox = yax.make_mox(Net().apply)(variables, x)
+  params = variables['params']
+  rows = _assert_each_param_in_one_row(mox, _n_leaves(params))
+  n_aux = _n_leaves(params['block']['aux'])
+  assert rows['block'].unread_params == rows['block'].own_params == n_aux
+  assert rows['block'].params == _n_leaves(params['block'])
+  assert set(rows['block'].variables) == {
+      'aux/bias: f32[4] (unread)', 'aux/kernel: f32[4,4] (unread)'}
+  assert rows['block/main'].params == _n_leaves(params['block']['main'])
+  assert rows[''].unread_params == rows['head'].unread_params == 0

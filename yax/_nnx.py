@@ -1178,6 +1178,19 @@ def variable_groups(mox) -> dict:
   return groups
 
 
+def param_leaves(arguments) -> set:
+  """The leaves of ``arguments`` (the traced arguments, unflattened) that
+  sit in an ``nnx.Param`` (or a subclass): the model's parameters, told
+  apart from its RNG state, caches and batch statistics."""
+  if nnx is None:
+    return set()
+  found = set()
+  for leaf in jtu.tree_leaves(arguments, is_leaf=_is_variable):
+    if isinstance(leaf, nnx.Param):
+      found.update(jtu.tree_leaves(leaf))
+  return found
+
+
 def _group(kind: str, is_param: bool) -> str:
   if is_param:
     return 'params'

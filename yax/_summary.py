@@ -156,12 +156,59 @@ def param_count(mox: Mox) -> int:
 def total_params(mox: Mox) -> tuple[int, int]:
   """(count, bytes) of the ``params`` read by the outermost module calls
   (see :class:`ParamReads`), each variable once (a module called twice
-  shares them). A tree without module calls has none."""
+  shares them), and of those in the traced arguments that no call reads
+  (:func:`unread_params`). A tree without module calls has none."""
   reads = ParamReads()
   seen: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
     seen.update(reads.of(node))
+  if seen:
+    seen.update((id(s), s) for s in unread_params(mox, reads))
   return count(seen.values())
+
+
+def unread_params(mox: Mox, reads: ParamReads | None = None
+                  ) -> dict[Symbol, tuple[str, ...]]:
+  """The ``params`` of the traced arguments of the root ``mox`` that no
+  module call reads, with their paths (module path, then name: 
+  ``('lm_head', 'kernel')``).
+
+  A model may hold parameters its forward never reads: a head tied to
+  the embedding that still owns a kernel, a submodule called only in
+  another mode. They are no input of any call (a call's inputs are what
+  its body reads), yet they are the model's: the summary shows them in
+  the row of the module that owns them. Empty for a node that is not a
+  root (its arguments are not the model's)."""
+  if not isinstance(mox, Mox) or mox.num_vars or mox.in_tree is None:
+    return {}
+  from yax import _nnx, _sub
+  reads = reads if reads is not None else ParamReads()
+  read: dict[int, Symbol] = {}
+  for node in outermost_calls(mox):
+    read.update(reads.of(node))
+  try:
+    located = _sub.locate(mox)
+    arguments = jax.tree_util.tree_unflatten(
+        mox.in_tree, list(range(len(mox.inputs))))
+  except Exception:  # noqa: BLE001 - a rewritten root with an odd in_tree
+    return {}
+  in_variables = _nnx.param_leaves(arguments)
+  linen = located.collections.get(PARAMS)
+  prefixes = sorted(located.collections.values(), key=len, reverse=True)
+  out = {}
+  for i, sym in enumerate(mox.inputs):
+    keypath = located.keypaths.get(sym)
+    if id(sym) in read or keypath is None or isinstance(sym, Literal):
+      continue
+    if i in in_variables:  # an nnx.Param: under its model's prefix
+      prefix = next((p for p in prefixes
+                     if tuple(keypath[:len(p)]) == tuple(p)), ())
+    elif linen is not None and tuple(keypath[:len(linen)]) == tuple(linen):
+      prefix = linen
+    else:
+      continue  # not a parameter (an input, RNG state, a cache)
+    out[sym] = tuple(str(k) for k in keypath[len(prefix):])
+  return out
 
 
 class ParamReads:
@@ -379,6 +426,11 @@ class SummaryRow:
   # its first floating output (or of its first contraction's result); a
   # kernel quantized by yax.quantize adds its format: 'float32 (int8)'.
   dtype: str = ''
+  # Of ``own_params``, those no module call reads (see unread_params):
+  # the model holds them, its forward does not use them. They are in
+  # ``variables`` too, marked ``(unread)``, and in ``params`` here and in
+  # the rows above.
+  unread_params: int = 0
 
   @property
   def type(self) -> str:
@@ -412,13 +464,14 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   module doc).
   """
   out: list[SummaryRow] = []
+  parents: list[int | None] = []  # the row each row sits in
   reads = ParamReads()
 
-  def visit(node: Expr, level: int, owner: Mox | None):
+  def visit(node: Expr, level: int, owner: Mox | None, parent: int | None):
     if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
       if _is_helper(node, owner):
         for child in node.children:
-          visit(child, level, owner)
+          visit(child, level, owner, parent)
         return
       if depth is not None and level > depth:
         return
@@ -442,11 +495,49 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
           own_params=own_params, params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
           flops=flops(node), node=node, dtype=compute_dtype(node)))
-      level, owner = level + 1, node
+      parents.append(parent)
+      level, owner, parent = level + 1, node, len(out) - 1
     for child in node.children:
-      visit(child, level, owner)
+      visit(child, level, owner, parent)
 
-  visit(mox, 0, None)
+  visit(mox, 0, None, None)
+  return _with_unread(out, parents, unread_params(mox, reads))
+
+
+def _with_unread(rows: list[SummaryRow], parents: list[int | None],
+                 unread: dict[Symbol, tuple[str, ...]]) -> list[SummaryRow]:
+  """``rows`` with each unread param in the row of the module that owns
+  it: the first row whose path is the longest prefix of the param's
+  module path, else the first outermost row; counted in that row's own
+  params and in the params of it and every row above it."""
+  if not rows or not unread:
+    return rows
+  paths = [tuple(r.path.split('/')) if r.path else () for r in rows]
+  own: dict[int, list[tuple[str, Symbol]]] = {}
+  for sym, path in unread.items():
+    best = None
+    for i, p in enumerate(paths):
+      if (len(p) < len(path) and path[:len(p)] == p
+          and (best is None or len(p) > len(paths[best]))):
+        best = i
+    name = '/'.join(path if best is None else path[len(paths[best]):])
+    own.setdefault(best or 0, []).append((name, sym))
+  extra: dict[int, list[Symbol]] = {}
+  for i, named in own.items():
+    k: int | None = i
+    while k is not None:
+      extra.setdefault(k, []).extend(s for _, s in named)
+      k = parents[k]
+  out = []
+  for i, row in enumerate(rows):
+    named = own.get(i, [])
+    n_own = count(s for _, s in named)[0]
+    n, nbytes = count(extra.get(i, ()))
+    out.append(dataclasses.replace(
+        row, params=row.params + n, param_bytes=row.param_bytes + nbytes,
+        own_params=row.own_params + n_own, unread_params=n_own,
+        variables=row.variables + tuple(
+            f'{name}: {s.type_str} (unread)' for name, s in named)))
   return out
 
 
@@ -694,7 +785,10 @@ def format_summary(mox: Mox, *, depth: int | None = None,
   n, nbytes = total_params(mox)
   calls = sum(1 for _ in module_calls(mox))
   eqns = list(leaf_equations(mox))
-  lines.append(f'Total params: {n:,} ({human_bytes(nbytes)})')
+  unread = sum(r.unread_params for r in rows)
+  lines.append(f'Total params: {n:,} ({human_bytes(nbytes)})' + (
+      f', {unread:,} of them read by no module call (unread)'
+      if unread else ''))
   lines.append(f'FLOPs: {flops(mox):,} (matmul, convolution and element-wise '
                'work; a transcendental counts as one)')
   missing = _flops.uncounted_primitives(eqns)
