@@ -291,11 +291,10 @@ def test_moe_trace_replay_and_ragged_dot(moe):
   assert top.params == n_params(moe.variables)
 
 
-def test_moe_lora_and_cast_of_the_einsums(moe):
+def test_moe_lora_of_the_einsums(moe):
   # The attention, router and dense-MLP Einsums (the experts' ragged_dot
-  # weights are no Einsum module).
+  # weights are no Einsum module). Cast is checked on the text model.
   check_lora(moe.mox, moe.variables, ADAPTED, moe.call, moe.args)
-  check_cast(moe.mox, moe.variables, ADAPTED, moe.args, moe.expected)
 
 
 def test_moe_quantize(moe):
