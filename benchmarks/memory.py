@@ -7,7 +7,7 @@ nothing of that size is run; step time and gradient error run the same
 variants at ``--time-batch`` (default 4) on 2 shared CPU cores), or
 ``--small`` (2-layer width-128 models, batch 8, length 32, a couple of
 minutes). ``--models bert`` for one model, ``--batch``/``--seq`` to change
-the size. Weights are random (from the configs); nothing is downloaded.
+the size, ``--no-time`` for the memory columns only. Weights are random (from the configs); nothing is downloaded.
 
 One training step: cross-entropy of the classifier's logits, its gradient
 and an Adam update (optax), jitted with the params and Adam state donated.
@@ -231,12 +231,14 @@ def run_model(name: str, args) -> list[str]:
   state = opt.init(params)
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   found = variants(model, layer, hf_gc, params, big[0], big[1])
-  # The traced trees have the benchmark's batch: trace again for timing.
-  timed = variants(model, layer, hf_gc, params, little[0], little[1])
-  exact = jax.jit(jax.grad(timed['baseline']))(params, *little, key)
+  if args.no_time:
+    timed = exact = None
+  else:  # the traced trees have the benchmark's batch: trace again
+    timed = variants(model, layer, hf_gc, params, little[0], little[1])
+    exact = jax.jit(jax.grad(timed['baseline']))(params, *little, key)
   lines = [f'{name}: {param_bytes / MiB:.1f} MiB of params, batch '
            f'{args.batch} x {args.seq} (step time and gradient error at batch '
-           f'{args.time_batch})',
+           f'{"-" if args.no_time else args.time_batch})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
            f'{"ratio":>6s} {"XLA arg":>8s} {"out":>8s} {"temp":>8s} '
            f'{"alias":>8s} {"step x":>7s} {"grad err":>9s}']
@@ -251,14 +253,17 @@ def run_model(name: str, args) -> list[str]:
       train = 4 * param_bytes + saved
       base_train = base_train or train
       arg, out, temp, alias = xla_memory(loss, opt, params, state, big, key)
-      t = step_time(timed[label], opt, params, little, key)
-      base_time = base_time or t
-      err = grad_error(timed[label], exact, params, little, key)
+      if args.no_time:
+        timing = f'{"-":>7s} {"-":>9s}'
+      else:
+        t = step_time(timed[label], opt, params, little, key)
+        base_time = base_time or t
+        err = grad_error(timed[label], exact, params, little, key)
+        timing = f'{t / base_time:7.2f} {err:9.2e}'
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
           f'{train / base_train:6.3f} {arg / MiB:8.1f} {out / MiB:8.1f} '
-          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {t / base_time:7.2f} '
-          f'{err:9.2e}')
+          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
         traceback.print_exc()
@@ -274,6 +279,9 @@ def main(argv=None):
   parser.add_argument('--batch', type=int, default=None)
   parser.add_argument('--seq', type=int, default=None)
   parser.add_argument('--time-batch', type=int, default=None)
+  parser.add_argument('--no-time', action='store_true',
+                      help='memory columns only (no step time, no gradient '
+                      'error: each needs two more compiles per variant)')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)

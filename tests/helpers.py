@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import yax
 from yax._ir import iter_nodes
@@ -156,3 +158,36 @@ def saved_residuals(fn, *args) -> list[str]:
   return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
                 if line and ' from the argument ' not in line
                 and ' from a literal' not in line)
+
+
+def import_required(package: str, what: str, env: str, install: str, load):
+  """``load()`` (the imports of a test module's third-party model code)
+  where ``package`` is installed. Where it is not, or its import fails, the
+  test module is skipped with the reason, unless the environment variable
+  ``env`` is set (CI sets it where the package is installed: a silent skip
+  there is a defect), which makes it fail."""
+  required = os.environ.get(env, '').strip().lower() not in (
+      '', '0', 'false', 'no')
+  if importlib.util.find_spec(package) is None:
+    msg = f'{what} is not installed (run: {install})'
+    if required:
+      pytest.fail(f'{msg}; {env} is set', pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+  try:
+    return load()
+  except ImportError as e:
+    if required:  # a failure, with its traceback
+      raise
+    pytest.skip(f'{what} does not import ({e}); run: {install}',
+                allow_module_level=True)
+
+
+def trained_adapters(params, mask, seed: int = 2):
+  """``params`` with every adapter weight (where ``mask`` is true)
+  perturbed by normals of std 0.3, as if trained (``lora_b`` is zero at
+  init); the other weights unchanged."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda v, is_adapter: v + jnp.asarray(
+          rng.normal(0.0, 0.3, np.shape(v)), v.dtype) if is_adapter else v,
+      params, mask)

@@ -173,16 +173,21 @@ def test_nnx_adapters_are_lora_params_with_the_kernels_axis_names():
                           strict=True) if m]
 
 
+def stacked_linears(rngs, axis):
+  """Three Linear(4, 4) layers, their Params stacked along ``axis``."""
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=axis)
+  def make(rngs):
+    return nnx.Linear(4, 4, rngs=rngs)
+  return make(rngs)
+
+
 class NNXLayers(nnx.Module):
   """Three Linear layers stacked along axis 0 by nnx.vmap, run by
   nnx.scan (kernels [3, 4, 4])."""
 
   def __init__(self, rngs):
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return nnx.Linear(4, 4, rngs=rngs)
-    self.layers = make(rngs)
+    self.layers = stacked_linears(rngs, 0)
 
   def __call__(self, x):
     @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -273,11 +278,7 @@ class ScannedDecoder(nnx.Module):
   and merged into the layer inside the (rematerialized) body."""
 
   def __init__(self, rngs):
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(in_axes=(0,), out_axes=1)
-    def make(rngs):
-      return nnx.Linear(4, 4, rngs=rngs)
-    self.layers = make(rngs)
+    self.layers = stacked_linears(rngs, 1)
 
   def __call__(self, x):
     graphdef, state = nnx.split(self.layers)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.linen as linen
 from flax import nnx
 
 import yax
@@ -928,3 +929,65 @@ def test_root_inputs_are_named_not_carried(monkeypatch):
   assert first == [] and len(second) == 1  # the count the first one drew
   assert all(s in root_inputs for s in module_calls(mox, 'Linear')[0]
              .var_inputs)
+
+
+# ---------------------------------------------- NNX bridged into Linen
+
+class _Bridged(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+    self.fc2 = nnx.Linear(8, 3, rngs=rngs)
+    self.width = self.hidden()   # a method called while constructing
+
+  def hidden(self):
+    return self.fc1.out_features
+
+  def __call__(self, x):
+    return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+class _LinenAroundNnx(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    y = nnx.bridge.ToLinen(_Bridged, name='block')(x)
+    return linen.Dense(2, name='head')(y)
+
+
+def test_nnx_model_bridged_into_linen_has_its_param_paths():
+  """Flax's ``nnx.bridge.ToLinen`` (MaxText's ``TransformerLinen`` is a copy
+  of it) builds the NNX model inside its Linen call from the Linen
+  variables: the NNX calls' paths are the paths of their params under the
+  Linen module, the bridge call holds those variables (nested dicts are the
+  NNX attributes, not submodule scopes), and calls made while the NNX model
+  is constructed are not module calls of the traced model."""
+  model, x = _LinenAroundNnx(), jnp.arange(8.0).reshape(2, 4) / 8
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  np.testing.assert_allclose(yax.eval_mox(mox, variables, x),
+                             model.apply(variables, x), rtol=1e-6)
+  linear = yax.query('//module_call[@type="Linear"]', mox)
+  assert [n.path for n in linear] == [('block', 'fc1'), ('block', 'fc2')]
+  for node in linear:  # the path is where its params are
+    kernel = variables['params'][node.path[0]][node.path[1]]['kernel']
+    assert [v.aval.shape for v in node.var_inputs] == [
+        (node.params['out_features'],), kernel.shape]
+  assert yax.query('//module_call[@method="hidden"]', mox) == []
+  rows = {(r.path, r.module): r for r in yax.summary(mox)}
+  total = sum(np.size(v) for v in jax.tree.leaves(variables))
+  assert rows[('', '_LinenAroundNnx')].params == total
+  assert rows[('block', 'ToLinen')].params == total - 3 * 2 - 2
+  assert rows[('block', '_Bridged')].params == total - 3 * 2 - 2
+  # LoRA on the NNX Linears inside the Linen call: identity at init, and
+  # merged adapters give the Linen model what the adapted tree computes.
+  res = yax.lora(mox, variables, '//module_call[@type="Linear"]', rank=2,
+                 key=jax.random.key(1))
+  assert res.paths == [('block', 'fc1'), ('block', 'fc2')]
+  want = model.apply(variables, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), want,
+                             rtol=1e-6)
+  trained = jax.tree.map(lambda p, m: p + 0.3 if m else p, res.params,
+                         res.mask)
+  adapted = yax.eval_mox(res.mox, trained, x)
+  assert not np.allclose(adapted, want)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), adapted,
+                             rtol=1e-5, atol=1e-6)

@@ -18,15 +18,13 @@ import pytest
 from flax import nnx
 
 import yax
+from test_lora_layouts import NNXBlock, NNXStack
+from yax._formats import NF4_LEVELS
 
 FORMATS = ('int8', 'int4', 'fp8', 'nf4')
-# The 16 NormalFloat levels of QLoRA (Dettmers et al. 2023, appendix E).
-NF4 = np.array([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
-    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0], np.float32)
+# The 16 NormalFloat levels of QLoRA (Dettmers et al. 2023, appendix E):
+# data of the format, not a computation under test.
+NF4 = NF4_LEVELS
 TOP = {'int8': 127.5, 'int4': 7.5, 'fp8': 448.0, 'nf4': 1.0}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -206,38 +204,12 @@ def test_linen_lifted_cast(kind):
 
 # -------------------------------------------------------------------- NNX
 
-class Block(nnx.Module):
-
-  def __init__(self, rngs):
-    self.lin = nnx.Linear(8, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return jnp.tanh(self.lin(x))
-
-
-class Scanned(nnx.Module):
-  """Three blocks made by nnx.vmap, run by nnx.scan (kernels [3, 8, 8])."""
-
-  def __init__(self, rngs):
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(rngs)
-    self.blocks = make(rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def body(block, x):
-      return block(x)
-    return body(self.blocks, x)
-
-
 class RematJit(nnx.Module):
   """One Linear under nnx.remat, one under nnx.jit."""
 
   def __init__(self, rngs):
-    self.a = Block(rngs)
-    self.b = Block(rngs)
+    self.a = NNXBlock(rngs)
+    self.b = NNXBlock(rngs)
 
   def __call__(self, x):
     x = nnx.remat(lambda m, x: m(x))(self.a, x)
@@ -250,11 +222,11 @@ def _nnx_kernels(state):
   return {path: var for path, var in flat if path[-1] == 'kernel'}
 
 
-@pytest.mark.parametrize('make', [Scanned, RematJit])
+@pytest.mark.parametrize('make', [NNXStack, RematJit])
 @pytest.mark.parametrize('weight', FORMATS)
 def test_nnx_lifted_quantize(make, weight):
   model = make(nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(1), (4, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 6))
   graphdef, state = nnx.split(model)
   run = lambda s, x: nnx.merge(graphdef, s)(x)
   mox = yax.make_mox(run)(state, x)
@@ -274,10 +246,10 @@ def test_nnx_lifted_quantize(make, weight):
     np.testing.assert_allclose(var[...], want[...], **TOL)
 
 
-@pytest.mark.parametrize('make', [Scanned, RematJit])
+@pytest.mark.parametrize('make', [NNXStack, RematJit])
 def test_nnx_lifted_cast(make):
   model = make(nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(1), (4, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 6))
   graphdef, state = nnx.split(model)
   run = lambda s, x: nnx.merge(graphdef, s)(x)
   mox = yax.make_mox(run)(state, x)
@@ -286,7 +258,7 @@ def test_nnx_lifted_cast(make):
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   h = x
   blocks = ([jax.tree_util.tree_map(lambda v, i=i: v[i], model.blocks)
-             for i in range(3)] if make is Scanned else [model.a, model.b])
+             for i in range(3)] if make is NNXStack else [model.a, model.b])
   for block in blocks:
     y = bf(h) @ bf(block.lin.kernel[...]) + bf(block.lin.bias[...])
     h = jnp.tanh(y.astype(jnp.float32))

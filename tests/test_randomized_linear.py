@@ -8,10 +8,6 @@ lora and quantize, inside nn.scan bodies, on NNX, under jit/vmap and on a
 from __future__ import annotations
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import flax.linen as nn
@@ -24,9 +20,9 @@ import pytest
 from flax import nnx
 
 import yax
-from helpers import assert_trees_close, check_rewrite, saved_residuals
+from helpers import (assert_trees_close, check_rewrite, run_on_host_devices,
+                     saved_residuals)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = jax.random.PRNGKey(7)
 
 
@@ -221,6 +217,16 @@ def test_composed_with_remat_lora_and_quantize(block_mox):
                1)(q.params, X),
       jax.grad(loss(lambda p, x: yax.eval_mox(q.mox, p, x)), 1)(q.params, X),
       rtol=1e-5, atol=1e-6)
+  # fewbit: both rewrites keep the forward pass bit for bit.
+  fb = yax.fewbit(block_mox)
+  fb_rl = check_rewrite(yax.randomized_linear(fb, LINEAR))
+  np.testing.assert_array_equal(
+      yax.eval_mox(fb_rl, VARS, X, sketch_key=KEY), BLOCK.apply(VARS, X))
+  assert_trees_close(
+      jax.grad(loss(lambda v, x: yax.eval_mox(fb_rl, v, x, sketch_key=KEY)),
+               1)(VARS, X),
+      jax.grad(loss(lambda v, x: yax.eval_mox(fb, v, x)), 1)(VARS, X),
+      rtol=1e-5, atol=1e-6)
   del exact
 
 
@@ -354,16 +360,4 @@ MESH_SCRIPT = textwrap.dedent('''
 
 
 def test_remat_and_randomized_linear_on_a_2x4_mesh(tmp_path):
-  script = tmp_path / 'mesh.py'
-  script.write_text(MESH_SCRIPT)
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(ROOT), str(ROOT / 'tests')] +
-      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  proc = subprocess.run([sys.executable, str(script)], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'MEMORY-MESH-OK' in proc.stdout
+  run_on_host_devices(MESH_SCRIPT, tmp_path, 'MEMORY-MESH-OK')

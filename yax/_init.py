@@ -31,7 +31,8 @@ from yax._errors import SubstitutionError
 from yax._formats import FORMATS, quantize_array
 from yax._ir import Mox, Symbol, iter_nodes
 from yax._sub import collections_of
-from yax._variables import NNX_GROUP, var_keys, var_kind
+from yax._variables import (NNX_GROUP, key_name, location, unboxed_path,
+                            var_entries, var_keys, var_kind)
 
 
 def _declared(mox: Mox) -> dict:
@@ -40,9 +41,9 @@ def _declared(mox: Mox) -> dict:
   out = {}
   for node in iter_nodes(mox):
     if isinstance(node, Mox) and not node.is_ephemeral:
-      for keys in var_keys(node):
-        if len(keys) == 2:
-          out.setdefault((keys[0], *node.path, keys[1]), node)
+      for entry in var_entries(node):
+        if len(entry.rel_path) == 1:
+          out.setdefault(location(node, entry), node)
   return out
 
 
@@ -129,17 +130,19 @@ def init_params(mox: Mox, params, *, key):
   expected = (args if side == 0 else kwargs)[position]
   flat_expected = jtu.tree_flatten_with_path(
       expected, is_leaf=lambda s: isinstance(s, Symbol))[0]
-  have = {_path_of(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
+  have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
   declared = _declared(mox)
-  inside = {col: tuple(map(str, p[2:])) for col, p in prefixes.items()}
+  inside = {col: tuple(p[2:]) for col, p in prefixes.items()}
   cache, values = {}, []
   for keypath, sym in flat_expected:
-    path = _path_of(keypath)
+    path = _keys(keypath)
     if path in have:
       continue
     col = next((c for c, pre in inside.items() if path[:len(pre)] == pre),
                None)
-    loc = (col, *path[len(inside[col]):]) if col is not None else None
+    # The variable's location: module paths and names are strings.
+    loc = ((col, *map(str, path[len(inside[col]):])) if col is not None
+           else None)
     node = declared.get(loc) if loc is not None else None
     where = 'params' + ''.join(f'[{k!r}]' for k in path)
     if node is None:
@@ -171,10 +174,10 @@ def init_params(mox: Mox, params, *, key):
           f'{value.dtype}{list(value.shape)}, but the tree reads '
           f'{sym.type_str}')
     if col == NNX_GROUP:
-      index = [k[1:] for k in var_keys(node)].index(tuple(loc[1 + len(
-          node.path):]))
-      value = _nnx.variable_holding(var_kind(node, index)[0], value)
-    values.append((tuple(_native_keys(keypath)), value))
+      entry = next(e for e in var_entries(node)
+                   if location(node, e) == loc)
+      value = _nnx.variable_holding(entry.kind, value)
+    values.append((path, value))
   return set_many(params, values)
 
 
@@ -197,14 +200,14 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
   shape, dtype = tuple(sym.aval.shape), sym.aval.dtype
   if is_lora and adapter:
     if name.endswith('lora_b'):
-      return [(tuple(_native_keys(keypath)), box(jnp.zeros(shape, dtype)))]
+      return [(_keys(keypath), box(jnp.zeros(shape, dtype)))]
     plan = _contraction.kernel_plan(node.children[0], shape[-1])
     if isinstance(plan, str):
       raise SubstitutionError(f'init_params: {where} is a LoRA adapter, but '
                               f'its module no longer fits one: {plan}')
     value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(
         plan.fan_in)
-    return [(tuple(_native_keys(keypath)), box(value.astype(dtype)))]
+    return [(_keys(keypath), box(value.astype(dtype)))]
   fmt = node.params.get('quant')
   if fmt not in FORMATS or not name.endswith('_scale'):
     return None
@@ -214,7 +217,7 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
     raise SubstitutionError(
         f'init_params: {where} is the scale of a quantized kernel, but its '
         f'module reads no kernel {kernel_name!r} quantize could scale')
-  kernel_path = (*_native_keys(keypath)[:-1], kernel_name)
+  kernel_path = (*_keys(keypath)[:-1], kernel_name)
   kernel = nn.meta.unbox(_get(params, kernel_path))
   if isinstance(kernel, nnx.Variable):
     kernel = kernel[...]
@@ -229,7 +232,7 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
   q, scale = quantize_array(kernel, fmt, plan.contracted, tile)
   old = _get(params, kernel_path)
   return [(tuple(kernel_path), boxed_like(old, q)),
-          (tuple(_native_keys(keypath)), box(scale.astype(dtype)))]
+          (_keys(keypath), box(scale.astype(dtype)))]
 
 
 def _is_lora_call(node: Mox) -> bool:
@@ -262,20 +265,7 @@ def _lookup(variables, loc, node: Mox, where: str, is_nnx: bool):
   return nn.meta.unbox(value)
 
 
-def _path_of(keypath) -> tuple:
-  out = []
-  for k in keypath:
-    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
-      continue
-    out.append(str(getattr(k, 'key', getattr(k, 'idx', getattr(
-        k, 'name', k)))))
-  return tuple(out)
-
-
-def _native_keys(keypath) -> list:
-  out = []
-  for k in keypath:
-    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
-      continue
-    out.append(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
-  return out
+def _keys(keypath) -> tuple:
+  """A params key path as its dict keys, attribute names and indices (the
+  ``value`` field of an NNX Variable left out)."""
+  return tuple(key_name(k) for k in unboxed_path(keypath))

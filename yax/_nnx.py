@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -378,7 +379,7 @@ class _Context:
     if id(module) in self.paths or _TAG in vars(module):
       return True
     path, cls = self.bridges[-1]
-    if not isinstance(module, cls):
+    if not isinstance(module, cls) or _constructing(module):
       return False
     self.register(module, path, tag=True)
     return True
@@ -911,6 +912,19 @@ def apply_updates(result, args, kwargs):
   elif nodes and len(result.updates[0]):
     nnx.update(nodes[0], result.updates[0])
   return result.output
+
+
+def _constructing(module) -> bool:
+  """Whether ``module.__init__`` is still running (on this thread's stack):
+  its submodules may not all exist yet. Looked up once per module that a
+  ``ToLinen`` bridge builds, so walking the frames costs little."""
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code.co_name == '__init__' and \
+        frame.f_locals.get('self') is module:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def _without_traced_caches(node, update):

@@ -210,6 +210,13 @@ def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
     if isinstance(eqn, str):
       problems.append((node, eqn))
       continue
+    side_x = 1 - plan.contraction.kernel_side
+    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+    if not _free_axes(eqn.inputs[side_x].aval.ndim, (lc, rc)[side_x],
+                      (lb, rb)[side_x]):
+      problems.append((node, 'its input has no position that is not '
+                       'contracted (one row): there is nothing to sketch'))
+      continue
     sites.append((eqn, plan.contraction.kernel_side))
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)

@@ -621,8 +621,12 @@ class _Substitution:
       if existing is None and body is not None:
         existing = dict(body.new_vars).get(loc) or dict(new_vars).get(loc)
       elif existing is None:
-        existing = self.locs.get(loc) or self.added.get(loc) or dict(
-            new_vars).get(loc)
+        existing = self.locs.get(loc) or dict(new_vars).get(loc)
+        if existing is None and loc in self.added:
+          # New at another site of this rewrite (a module called twice):
+          # the calls around this site list it too.
+          existing = self.added[loc]
+          new_vars.append((loc, existing))
       if existing is not None:
         if not _same_type(existing, sym) and self.retype and \
             keys in own and existing is own[keys]:
