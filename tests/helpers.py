@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import yax
 from yax._ir import iter_nodes
@@ -117,3 +119,75 @@ def random_variables(model, seed, *args, **kwargs):
   return jax.tree.map(
       lambda s: jnp.asarray(rng.normal(0.0, 0.2, s.shape).astype(s.dtype)),
       shapes)
+
+
+def run_on_host_devices(script: str, tmp_path, done: str, devices: int = 8):
+  """Runs ``script`` in a fresh Python with ``devices`` host CPU devices
+  (the count is fixed when JAX starts) and ``tests/`` importable; asserts
+  it exits cleanly and prints ``done``. Returns its stdout."""
+  import os
+  import pathlib
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parent.parent
+  path = tmp_path / 'on_host_devices.py'
+  path.write_text(script)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      f' --xla_force_host_platform_device_count={devices}'
+                      ).strip()
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(root), str(root / 'tests')] +
+      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  proc = subprocess.run([sys.executable, str(path)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  assert done in proc.stdout
+  return proc.stdout
+
+
+def saved_residuals(fn, *args) -> list[str]:
+  """The types of what JAX keeps for the backward pass of ``fn`` (JAX's
+  own ``print_saved_residuals``), sorted; the arguments and literals
+  excluded, as they take no memory of their own."""
+  import io
+
+  import jax.ad_checkpoint
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
+                if line and ' from the argument ' not in line
+                and ' from a literal' not in line)
+
+
+def import_required(package: str, what: str, env: str, install: str, load):
+  """``load()`` (the imports of a test module's third-party model code)
+  where ``package`` is installed. Where it is not, or its import fails, the
+  test module is skipped with the reason, unless the environment variable
+  ``env`` is set (CI sets it where the package is installed: a silent skip
+  there is a defect), which makes it fail."""
+  required = os.environ.get(env, '').strip().lower() not in (
+      '', '0', 'false', 'no')
+  if importlib.util.find_spec(package) is None:
+    msg = f'{what} is not installed (run: {install})'
+    if required:
+      pytest.fail(f'{msg}; {env} is set', pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+  try:
+    return load()
+  except ImportError as e:
+    if required:  # a failure, with its traceback
+      raise
+    pytest.skip(f'{what} does not import ({e}); run: {install}',
+                allow_module_level=True)
+
+
+def trained_adapters(params, mask, seed: int = 2):
+  """``params`` with every adapter weight (where ``mask`` is true)
+  perturbed by normals of std 0.3, as if trained (``lora_b`` is zero at
+  init); the other weights unchanged."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda v, is_adapter: v + jnp.asarray(
+          rng.normal(0.0, 0.3, np.shape(v)), v.dtype) if is_adapter else v,
+      params, mask)

@@ -54,10 +54,21 @@ command -v "$PY" >/dev/null 2>&1 || { echo "install_real_models.sh: $PY not foun
 
 PY_MINOR="$("$PY" -c 'import sys; print(sys.version_info[1] if sys.version_info[0] == 3 else 0)')"
 
-# Real model code, installed without its (unresolvable or conflicting)
-# requirements; then what that model code imports, installed with its own
-# requirements, which must be satisfied by what is already installed (see
-# the constraints below).
+# NO_DEPS: real model code, installed without its (unresolvable or
+# conflicting) requirements. WITH_DEPS: what that model code imports,
+# installed with its own requirements, which must be satisfied by what is
+# already installed (see the constraints below); first what gemma,
+# recurrentgemma and tunix import on every Python version.
+WITH_DEPS=(
+  "einops==0.8.2"
+  "jaxtyping==0.3.11"
+  "typeguard==4.6.1"
+  "clu==0.0.12"
+  "lark==1.3.1"
+  "immutabledict==4.3.1"
+  "sentencepiece==0.2.3"
+  "chex==0.1.92"
+)
 if [ "$PY_MINOR" -ge 12 ]; then
   NO_DEPS=(
     "gemma==4.0.1"
@@ -68,15 +79,8 @@ if [ "$PY_MINOR" -ge 12 ]; then
     "tokamax==0.0.15"
     "xprof==2.24.2"
   )
-  WITH_DEPS=(
-    "einops==0.8.2"
-    "jaxtyping==0.3.11"
-    "typeguard==4.6.1"
-    "clu==0.0.12"
-    "lark==1.3.1"
-    "immutabledict==4.3.1"
-    "sentencepiece==0.2.3"
-    "chex==0.1.92"
+  WITH_DEPS+=(
+    # gemma 4
     "ml-collections==1.1.0"
     "dialog==1.1.0"
     # MaxText
@@ -99,16 +103,6 @@ else
     "kauldron==1.4.2"
     "recurrentgemma==1.0.1"
     "google-tunix==0.1.7"
-  )
-  WITH_DEPS=(
-    "einops==0.8.2"
-    "jaxtyping==0.3.11"
-    "typeguard==4.6.1"
-    "clu==0.0.12"
-    "lark==1.3.1"
-    "immutabledict==4.3.1"
-    "sentencepiece==0.2.3"
-    "chex==0.1.92"
   )
 fi
 

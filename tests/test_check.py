@@ -227,3 +227,75 @@ def test_check_mox_raises_only_invariant_error_on_corrupted_trees(change):
   except yax.InvariantError:
     pass
   yax.check_mox(traced())  # the traced tree is untouched
+
+
+# ------------------------------------- a call reads the variables it lists
+
+class _Table(nn.Module):
+  """A Linen variable whose value is a dict, next to a submodule."""
+
+  @nn.compact
+  def __call__(self, x):
+    table = self.param('table', lambda key: {'a': jnp.ones((3,)),
+                                             'b': jnp.full((3,), 2.0)})
+    return nn.Dense(3, name='sub')(x) * table['a'] + table['b']
+
+
+class _HoldsTable(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return _Table(name='t')(x) + 1.0
+
+
+def _table_tree():
+  model = _HoldsTable()
+  x = jnp.arange(6.0).reshape(2, 3)
+  variables = model.init(jax.random.key(0), x)
+  return model, variables, x, yax.make_mox(model.apply)(variables, x)
+
+
+def test_dict_valued_linen_variable_is_an_input_of_its_call():
+  model, variables, x, mox = _table_tree()
+  yax.check_mox(mox)
+  table = yax.query('//module_call[@type="_Table"]', mox)[0]
+  leaves = jax.tree_util.tree_leaves(variables['params']['t']['table'])
+  args = jax.tree_util.tree_leaves((variables, x))
+  by_value = {id(a): s for a, s in zip(args, mox.inputs, strict=True)}
+  for leaf in leaves:
+    assert by_value[id(leaf)] in table.var_inputs
+  np.testing.assert_allclose(yax.eval_mox(mox, variables, x),
+                             model.apply(variables, x))
+
+
+def test_check_mox_refuses_a_call_reading_an_unlisted_variable():
+  _, variables, _, mox = _table_tree()
+  top = mox.children[0]
+  table = next(c for c in top.children if isinstance(c, yax.Mox))
+  # The call without its dict-valued variable among its inputs (as traced
+  # before such variables were inputs): its body still reads it.
+  leaves = jax.tree_util.tree_leaves(variables['params']['t']['table'])
+  unlisted = set(mox.inputs[i] for i, leaf in enumerate(
+      jax.tree_util.tree_leaves((variables, jnp.zeros(1))))
+                 if any(leaf is x for x in leaves))
+  kept = [s for s in table.var_inputs if s not in unlisted]
+  tree = {'params': {'sub': {'bias': kept[0], 'kernel': kept[1]}}}
+  leaner = table.replace(
+      inputs=[*kept, *table.arg_inputs],
+      var_tree=jax.tree_util.tree_structure(tree))
+  broken = mox.replace(children=[top.replace(children=[
+      leaner if c is table else c for c in top.children])])
+  with pytest.raises(yax.InvariantError, match='does not list it'):
+    yax.check_mox(broken, types=False)
+
+
+def test_sub_of_a_module_with_a_dict_valued_variable():
+  model, variables, x, mox = _table_tree()
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  fresh = yax.make_mox(_Table().apply)(
+      {'params': jax.tree_util.tree_map(spec, variables['params']['t'])},
+      spec(x))
+  new = yax.sub('//module_call[@type="_Table"]', fresh, mox)
+  yax.check_mox(new)
+  np.testing.assert_allclose(yax.eval_mox(new, variables, x),
+                             model.apply(variables, x))

@@ -335,6 +335,25 @@ def test_trace_replay_eager_and_jit(lm):
       out, **TOL)
 
 
+def test_replay_step_after_step(lm):
+  """Three steps, as users run a model: the tree traced before the model's
+  first call replays every step on one model, eagerly and under nnx.jit,
+  next to the model's own calls on another (the first caches its RoPE table
+  in the model: the tree accepts the model with and without it)."""
+  own, eager, jitted = fresh(lm), fresh(lm), fresh(lm)
+  replay = nnx.jit(lambda m, ids: yax.eval_mox(lm.mox, m, ids))
+  for step in range(3):
+    ids = (lm.ids + step) % VOCAB
+    want = call(own, ids)
+    assert_trees_close(yax.eval_mox(lm.mox, eager, ids), want, **TOL)
+    assert_trees_close(replay(jitted, ids), want, **TOL)
+    assert_trees_close(to_numpy(nnx.state(eager)), to_numpy(nnx.state(own)),
+                       rtol=0, atol=0)
+    np.testing.assert_array_equal(
+        np.asarray(vars(eager.model)['frequencies'][...]),
+        np.asarray(vars(own.model)['frequencies'][...]))
+
+
 def test_module_calls_count_from_config(lm):
   mox, spec, layers = lm.mox, lm.spec, lm.config.num_hidden_layers
   count = lambda xpath: int(yax.query(f'count({xpath})', mox))
@@ -554,3 +573,7 @@ def test_summary_counts_every_parameter(lm):
     unused = changed.lm_head.kernel.size
     assert unused == lm.config.hidden_size * VOCAB
   assert top.params == n_params(lm.model) - unused
+  # Each parameter read is the own parameter of one row: Mixtral's experts,
+  # read by the MoE block (inside a shard_map) from a submodule that is
+  # never called, are the block's own.
+  assert sum(r.own_params for r in yax.summary(lm.mox)) == top.params

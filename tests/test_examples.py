@@ -142,3 +142,26 @@ def test_lora_sharded_small():
   assert 1.0 < float(m.group(1)) < 1.2
   find(r"layers/q/lora_b +\(22, 16, 16, 128\) +\('layers', None, 'heads', "
        r"'kv'\)", out)
+
+
+def test_memory_finetune_small(tmp_path):
+  for module in ('optax', 'sklearn', 'matplotlib'):
+    pytest.importorskip(module)
+  png = tmp_path / 'curves.png'
+  out = run_example('memory_finetune.py', '--small', '--out', str(png))
+  find(r"fewbit: 3 sites, 3 bits each: \['gelu', 'gelu', 'gelu'\]", out)
+  rows = {}
+  for name in ('exact', 'fewbit 3-bit', 'randomized 20%',
+               'fewbit \\+ randomized'):
+    m = find(rf'{name}\s+([\d.]+)\s+([\d.]+)Ki\s+([\d.]+)Ki\s+([\d.]+)', out)
+    rows[name.replace('\\', '')] = [float(g) for g in m.groups()]
+  exact, few = rows['exact'], rows['fewbit 3-bit']
+  assert exact[0] > 0.9
+  assert few[0] >= exact[0] - 0.01  # within 1 point of exact
+  # Less kept for the backward pass, each rewrite alone and both.
+  assert few[1] < exact[1] and rows['randomized 20%'][1] < exact[1]
+  assert rows['fewbit + randomized'][1] < min(few[1],
+                                              rows['randomized 20%'][1])
+  find(r'fewbit 3-bit accuracy within 1 point of exact: True', out)
+  assert f'loss curves saved to {png}' in out
+  assert png.read_bytes().startswith(PNG_MAGIC)

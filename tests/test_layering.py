@@ -29,14 +29,16 @@ PACKAGE = 'yax'
 # it in this list, never from one below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ('foundations', ('_errors', '_compat', '_version')),
-    ('data model', ('_ir', '_markers', '_containers', '_format', '_variables')),
+    ('data model',
+     ('_ir', '_markers', '_containers', '_format', '_variables', '_arguments')),
     ('lowering and rules', ('_lower', '_rules', '_calls')),
     ('tracing', ('_trace', '_nnx')),
     ('running and viewing a tree',
      ('_eval', '_check', '_printing', '_serialize', '_query')),
     ('rewriting', ('_sub', '_pattern', '_contraction', '_formats')),
     ('LoRA, new variables, precision', ('_lora', '_init', '_cast', '_quantize')),
-    ('memory rewrites', ('_remat', '_randomized')),
+    ('memory rewrites', ('_remat', '_randomized', '_fewbit', '_fewbit_tables',
+                         '_fewbit_solver')),
     ('summary', ('_summary', '_flops')),
     ('viewers', ('_html', '_explorer')),
     ('command line', ('_cli', '_bundled', '_bundled_nnx')),

@@ -206,6 +206,49 @@ def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice():
   check_adapter_gradients(res, trained, x)
 
 
+class Vmapped(nn.Module):
+  """Three Dense layers side by side by nn.vmap (kernels [3, 5, 4]), next
+  to a DenseGeneral whose batch axis is its own."""
+
+  @nn.compact
+  def __call__(self, x):
+    body = nn.vmap(lambda mdl, c: mdl(c), variable_axes={'params': 0},
+                   split_rngs={'params': True}, in_axes=0)
+    h = body(nn.Dense(4, name='layer'), x)
+    return nn.DenseGeneral(2, batch_dims=0, name='general')(jnp.tanh(h))
+
+
+def test_kernels_stacked_by_vmap_get_one_adapter_pair_per_slice():
+  model = Vmapped()
+  x = jax.random.normal(jax.random.key(0), (3, 2, 5))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="Dense" or '
+                 '@type="DenseGeneral"]', rank=RANK, alpha=ALPHA)
+  yax.check_mox(res.mox)
+  layer, general = res.params['params']['layer'], res.params['params'][
+      'general']
+  assert layer['lora_a'].shape == (3, 5, RANK)
+  assert layer['lora_b'].shape == (3, RANK, 4)
+  # DenseGeneral's own batch axis is a kernel axis: B carries it.
+  assert general['lora_a'].shape == (4, RANK)
+  assert general['lora_b'].shape == (RANK, 3, 2)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = perturbed(res)
+  t, g = trained['params']['layer'], trained['params']['general']
+  p = variables['params']
+  new = put(variables, ('params', 'layer', 'kernel'), p['layer']['kernel'] +
+            ALPHA / RANK * np.einsum('lir,lro->lio', t['lora_a'],
+                                     t['lora_b']))
+  new = put(new, ('params', 'general', 'kernel'), p['general']['kernel'] +
+            ALPHA / RANK * np.einsum('ir,rbo->bio', g['lora_a'], g['lora_b']))
+  want = model.apply(new, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)
+
+
 def test_refusals_come_in_one_round_with_one_xpath_for_the_others():
   class Model(nn.Module):
     @nn.compact
@@ -371,3 +414,46 @@ def test_nnx_kernels_stacked_by_vmap_and_scan():
   np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
   np.testing.assert_allclose(run(res.merge(trained), x), want, **TOL)
   check_adapter_gradients(res, trained, x)
+
+
+class TiedLM(nn.Module):
+  """A head run by a nested apply on the transposed embedding (Hugging
+  Face's tied heads): its call has no path."""
+
+  def setup(self):
+    self.embed = nn.Embed(11, 6)
+    self.mid = nn.Dense(6)
+    self.lm_head = nn.Dense(11, use_bias=False)
+
+  def __call__(self, ids):
+    h = jnp.tanh(self.mid(self.embed(ids)))
+    table = self.embed.variables['params']['embedding']
+    return self.lm_head.apply({'params': {'kernel': table.T}}, h)
+
+
+def test_merge_and_quantize_refusals_end_with_one_xpath_for_the_others():
+  model = TiedLM()
+  ids = jnp.array([[1, 2, 3, 9]])
+  variables = model.init(jax.random.key(0), ids)
+  mox = yax.make_mox(model.apply)(variables, ids)
+  selection = '//module_call[@type="Dense"]'
+  res = yax.lora(mox, variables, selection, rank=RANK, alpha=ALPHA)
+  assert res.paths == [('lm_head',), ('mid',)]
+  with pytest.raises(yax.SubstitutionError) as info:
+    res.merge(perturbed(res))
+  others = str(info.value).splitlines()[-1].strip()
+  # The XPath leaves out the nested-apply head and keeps the others.
+  assert [n.path for n in yax.query(others, mox)] == [('mid',)]
+  res = yax.lora(mox, variables, others, rank=RANK, alpha=ALPHA)
+  trained = perturbed(res)
+  t = trained['params']['mid']
+  want = model.apply(put(variables, ('params', 'mid', 'kernel'),
+                         variables['params']['mid']['kernel'] + ALPHA / RANK *
+                         np.einsum('ir,ro->io', t['lora_a'], t['lora_b'])),
+                     ids)
+  np.testing.assert_allclose(model.apply(res.merge(trained), ids), want,
+                             **TOL)
+  with pytest.raises(yax.SubstitutionError) as info:
+    yax.quantize(mox, variables, selection)
+  others = str(info.value).splitlines()[-1].strip()
+  assert yax.quantize(mox, variables, others).paths == [('mid',)]

@@ -171,3 +171,153 @@ def test_nnx_adapters_are_lora_params_with_the_kernels_axis_names():
     assert jax.tree.leaves(lora_state) == [
         v for v, m in zip(jax.tree.leaves(trained), jax.tree.leaves(res.mask),
                           strict=True) if m]
+
+
+def stacked_linears(rngs, axis):
+  """Three Linear(4, 4) layers, their Params stacked along ``axis``."""
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=axis)
+  def make(rngs):
+    return nnx.Linear(4, 4, rngs=rngs)
+  return make(rngs)
+
+
+class NNXLayers(nnx.Module):
+  """Three Linear layers stacked along axis 0 by nnx.vmap, run by
+  nnx.scan (kernels [3, 4, 4])."""
+
+  def __init__(self, rngs):
+    self.layers = stacked_linears(rngs, 0)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jnp.tanh(layer(x))
+    return body(self.layers, x)
+
+
+def with_both_sharding_keys(var, names):
+  """``var`` carrying its axis names under ``out_sharding`` and under its
+  deprecated alias ``sharding_names`` (as MaxText's Params do; Flax's
+  constructor would fold the alias into ``out_sharding``)."""
+  meta = {**var.get_metadata(), 'out_sharding': names,
+          'sharding_names': names}
+  return type(var).from_metadata(var[...], meta)
+
+
+def test_adapters_on_a_stack_get_their_own_names_under_both_keys():
+  model = NNXLayers(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  graphdef, state = nnx.split(model)
+  layer = state['layers']
+  layer['kernel'] = with_both_sharding_keys(layer['kernel'],
+                                            ('layers', 'embed', 'mlp'))
+  layer['bias'] = with_both_sharding_keys(layer['bias'], ('layers', 'mlp'))
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, rank=2)
+  yax.check_mox(res.mox)
+  a, b = res.params['layers']['lora_a'], res.params['layers']['lora_b']
+  assert a.shape == (3, 4, 2) and b.shape == (3, 2, 4)
+  for var, names in ((a, ('layers', 'embed', None)),
+                     (b, ('layers', None, 'mlp'))):
+    meta = var.get_metadata()
+    assert tuple(meta['out_sharding']) == names
+    assert tuple(meta.get('sharding_names', names)) == names
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+
+
+MESH = jax.make_mesh((1,), ('expert',),
+                     axis_types=(jax.sharding.AxisType.Auto,))
+
+
+class Experts(nn.Module):
+  """MaxText's RoutedMoE dense path: expert kernels [experts, in, out]
+  contracted with inputs (and giving outputs) under sharding constraints."""
+
+  @nn.compact
+  def __call__(self, x):  # [experts, tokens, in]
+    where = jax.sharding.NamedSharding(
+        MESH, jax.sharding.PartitionSpec('expert', None, None))
+    wi = self.param('wi', nn.with_logical_partitioning(
+        init, ('exp', 'embed', 'mlp')), (3, 6, 5))
+    x = jax.lax.with_sharding_constraint(x, where)
+    y = jnp.einsum('etd,edh->eth', x, wi)
+    return jax.lax.with_sharding_constraint(y, where)
+
+
+def test_moe_expert_kernels_behind_sharding_constraints():
+  model = Experts()
+  x = jax.random.normal(jax.random.key(0), (3, 4, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="Experts"]', rank=2,
+                 alpha=4.0)
+  yax.check_mox(res.mox)
+  # The expert axis is a kernel axis of a batched contraction: in B.
+  a, b = res.params['params']['lora_a'], res.params['params']['lora_b']
+  assert a.value.shape == (6, 2) and b.value.shape == (2, 3, 5)
+  assert tuple(a.names) == ('embed', None)
+  assert tuple(b.names) == (None, 'exp', 'mlp')
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  ta, tb = (trained['params'][k].value for k in ('lora_a', 'lora_b'))
+  kernel = nn.meta.unbox(variables)['params']['wi']
+  want = model.apply({'params': {'wi': kernel + 2.0 * np.einsum(
+      'dr,reh->edh', ta, tb)}}, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+
+
+class ScannedDecoder(nnx.Module):
+  """MaxText's scanned layers: params stacked on axis 1
+  (``param_scan_axis=1``), moved to the front, sliced by ``jax.lax.scan``
+  and merged into the layer inside the (rematerialized) body."""
+
+  def __init__(self, rngs):
+    self.layers = stacked_linears(rngs, 1)
+
+  def __call__(self, x):
+    graphdef, state = nnx.split(self.layers)
+    state = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), state)
+
+    def body(x, layer_state):
+      layer = nnx.merge(graphdef, layer_state)
+      return jax.checkpoint(lambda x: jnp.tanh(layer(x)))(x), None
+    return jax.lax.scan(body, x, state)[0]
+
+
+def test_scanned_layers_sliced_from_a_stack_on_axis_1():
+  model = ScannedDecoder(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  graphdef, state = nnx.split(model)
+  layers = state['layers']
+  layers['kernel'] = with_both_sharding_keys(layers['kernel'],
+                                             ('embed', 'layers', 'mlp'))
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, rank=2, alpha=4.0)
+  yax.check_mox(res.mox)
+  assert res.paths == [('layers',)]
+  a, b = res.params['layers']['lora_a'], res.params['layers']['lora_b']
+  # One pair per layer, stacked on axis 0 (the axis the scan slices).
+  assert a.shape == (3, 4, 2) and b.shape == (3, 2, 4)
+  assert tuple(a.get_metadata()['out_sharding']) == ('layers', 'embed', None)
+  assert tuple(b.get_metadata()['out_sharding']) == ('layers', None, 'mlp')
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             run(state, x), **TOL)
+  trained = jax.tree.map(lambda v, m: v + 0.3 if m else v, res.params,
+                         res.mask)
+  ta, tb = (trained['layers'][k][...] for k in ('lora_a', 'lora_b'))
+  reference = nnx.split(model)[1]
+  kernel = reference['layers']['kernel']  # [in, layers, out]
+  kernel.value = kernel[...] + 2.0 * np.einsum('lir,lro->ilo', ta, tb)
+  want = run(reference, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  merged = res.merge(trained)
+  assert tuple(merged['layers']['kernel'].get_metadata()['out_sharding']) \
+      == ('embed', 'layers', 'mlp')
+  np.testing.assert_allclose(run(merged, x), want, **TOL)

@@ -95,6 +95,37 @@ class Twice(nn.Module):
     return other(block(block(x)))
 
 
+class Activations(nn.Module):
+  """No parameters at all: ``init`` gives an empty variables dict."""
+  act: object = nn.relu
+
+  @nn.compact
+  def __call__(self, x):
+    if self.act is nn.relu:
+      return nn.relu(x) * 2.0 - nn.relu(-x)
+    return PReLU(name='PReLU_0')(x) * 2.0 - PReLU(name='PReLU_1')(-x)
+
+
+def test_a_parameter_free_model_gets_its_first_params():
+  """The original YAX's example: ReLU -> PReLU on a model without params;
+  the rewrite creates the 'params' collection."""
+  model = Activations()
+  variables = model.init(jax.random.key(0), X)
+  assert not variables
+  mox = yax.make_mox(model.apply)(variables, X)
+  new = yax.sub('//*[@name="relu"]', prelu_mox(4), mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, variables, key=jax.random.key(1))
+  assert set(full) == {'params'}
+  assert set(full['params']) == {'PReLU_0', 'PReLU_1'}
+  trained = {'params': {'PReLU_0': {'alpha': jnp.full((4,), 0.1)},
+                        'PReLU_1': {'alpha': jnp.linspace(-1.0, 1.0, 4)}}}
+  reference = Activations(act=PReLU)
+  for params in (full, trained):
+    np.testing.assert_allclose(yax.eval_mox(new, params, X),
+                               reference.apply(params, X), **TOL)
+
+
 def test_a_module_called_twice_has_one_set_per_site_read_by_both_calls():
   model = Twice()
   variables = model.init(jax.random.key(0), X)
@@ -130,6 +161,55 @@ def test_init_params_restores_a_missing_module_and_refuses_what_it_cannot():
                          full['params']['Dense_1']['kernel'])
   with pytest.raises(yax.SubstitutionError, match='expects a Mox'):
     yax.init_params('//x', variables, key=jax.random.key(0))
+
+
+def reference_int8(w):
+  """Per-output-channel absmax int8 of a Dense kernel [in, out] (the
+  absmax maps to 127.5, codes -128 .. 127), dequantized."""
+  w = np.asarray(w, np.float32)
+  absmax = np.abs(w).max(0, keepdims=True)
+  scale = (absmax / 127.5).astype(np.float32)
+  x = np.where(np.abs(w) == absmax, np.sign(w) * 127.5, w / scale)
+  return np.clip(np.round(x), -128, 127) * scale
+
+
+def test_init_params_fills_lora_adapters_and_quantization_scales():
+  model = MLP()
+  variables = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(variables, X)
+  dense = '//module_call[@type="Dense"]'
+  res = yax.lora(mox, variables, dense, rank=2)
+  full = yax.init_params(res.mox, variables, key=jax.random.key(1))
+  for name in ('Dense_0', 'Dense_1', 'Dense_2'):
+    layer, want = full['params'][name], res.params['params'][name]
+    assert layer['kernel'] is variables['params'][name]['kernel']
+    assert layer['lora_a'].shape == want['lora_a'].shape
+    assert layer['lora_b'].shape == want['lora_b'].shape
+    np.testing.assert_array_equal(layer['lora_b'], 0)  # B = 0, as lora
+    assert np.all(layer['lora_a'] != 0)  # A random, as lora
+  # A ~ N(0, 1 / fan_in) as lora draws it (fan_in: the 8 inputs).
+  a = np.concatenate([full['params'][n]['lora_a'].ravel()
+                      for n in ('Dense_1', 'Dense_2')])
+  assert 0.5 < float(np.std(a) * np.sqrt(8)) < 1.5
+  np.testing.assert_allclose(yax.eval_mox(res.mox, full, X),
+                             model.apply(variables, X), **TOL)
+  # QLoRA from the float params: the scales from the float kernels, which
+  # are stored quantized with them.
+  q = yax.quantize(mox, variables, dense)
+  qres = yax.lora(q.mox, q.params, dense, rank=2)
+  full = yax.init_params(qres.mox, variables, key=jax.random.key(1))
+  ref = jax.tree.map(lambda a: a, variables)
+  for name in ('Dense_0', 'Dense_1', 'Dense_2'):
+    layer = full['params'][name]
+    assert layer['kernel'].dtype == jnp.int8
+    np.testing.assert_array_equal(layer['kernel'],
+                                  q.params['params'][name]['kernel'])
+    np.testing.assert_array_equal(layer['kernel_scale'],
+                                  q.params['params'][name]['kernel_scale'])
+    ref['params'][name]['kernel'] = reference_int8(
+        variables['params'][name]['kernel'])
+  np.testing.assert_allclose(yax.eval_mox(qres.mox, full, X),
+                             model.apply(ref, X), **TOL)
 
 
 # ----------------------------------------------------------------- NNX

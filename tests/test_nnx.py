@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.linen as linen
 from flax import nnx
 
 import yax
@@ -755,6 +756,67 @@ def test_a_variable_cached_during_the_call_is_a_state_update():
                                 vars(own)['table'][...])
 
 
+class Stateful(nnx.Module):
+  """State that every call changes (dropout's RNG count, batch statistics)
+  and a RoPE-style table cached on the first call, as EasyDeL models have."""
+
+  def __init__(self, *, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  @functools.cached_property
+  def table(self):
+    return nnx.Variable(jnp.linspace(0.0, 1.0, 4))
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.linear(x))) * self.table[...]
+
+
+def _state_and_cache(model):
+  """The model's state values and its cached table (None before the first
+  call; read from the instance: reading the property would compute it)."""
+  cache = vars(model).get('table')
+  return (jax.tree.leaves(jax.tree.map(_plain, nnx.state(model))),
+          None if cache is None else np.asarray(cache[...]))
+
+
+def _assert_same_steps(a, b):
+  (sa, ca), (sb, cb) = _state_and_cache(a), _state_and_cache(b)
+  assert len(sa) == len(sb)
+  for x, y in zip(sa, sb):
+    np.testing.assert_allclose(x, y, **TOL)
+  assert (ca is None) == (cb is None)
+  if ca is not None:
+    np.testing.assert_array_equal(ca, cb)
+
+
+@pytest.mark.parametrize('traced_after_a_call', [False, True])
+def test_replay_step_after_step(traced_after_a_call):
+  """Three steps, as users run a model: each replay continues from the
+  state the previous one left (RNG counts, batch statistics, the cached
+  table the first call adds), eagerly and under nnx.jit, next to the
+  model's own calls. A tree traced before the first call accepts the model
+  after it, and one traced after it a model before it."""
+  x = X4
+  model = Stateful(rngs=rngs())
+  traced = nnx.clone(model)
+  if traced_after_a_call:
+    traced(x)
+    assert 'table' in vars(traced)
+  mox = yax.make_mox(lambda m, x: m(x))(traced, x)
+  own, eager, jitted = (nnx.clone(model) for _ in range(3))
+  replay = nnx.jit(lambda m, x: yax.eval_mox(mox, m, x))
+  for _ in range(3):
+    want = own(x)
+    assert_close(yax.eval_mox(mox, eager, x), want)
+    _assert_same_steps(eager, own)
+    assert_close(replay(jitted, x), want)
+    jitted_state, _ = _state_and_cache(jitted)
+    for got, expected in zip(jitted_state, _state_and_cache(own)[0]):
+      np.testing.assert_allclose(got, expected, **TOL)
+
+
 class SharedStateless(nnx.Module):
   """A module without variables reachable by two attribute paths."""
 
@@ -867,3 +929,65 @@ def test_root_inputs_are_named_not_carried(monkeypatch):
   assert first == [] and len(second) == 1  # the count the first one drew
   assert all(s in root_inputs for s in module_calls(mox, 'Linear')[0]
              .var_inputs)
+
+
+# ---------------------------------------------- NNX bridged into Linen
+
+class _Bridged(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+    self.fc2 = nnx.Linear(8, 3, rngs=rngs)
+    self.width = self.hidden()   # a method called while constructing
+
+  def hidden(self):
+    return self.fc1.out_features
+
+  def __call__(self, x):
+    return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+class _LinenAroundNnx(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    y = nnx.bridge.ToLinen(_Bridged, name='block')(x)
+    return linen.Dense(2, name='head')(y)
+
+
+def test_nnx_model_bridged_into_linen_has_its_param_paths():
+  """Flax's ``nnx.bridge.ToLinen`` (MaxText's ``TransformerLinen`` is a copy
+  of it) builds the NNX model inside its Linen call from the Linen
+  variables: the NNX calls' paths are the paths of their params under the
+  Linen module, the bridge call holds those variables (nested dicts are the
+  NNX attributes, not submodule scopes), and calls made while the NNX model
+  is constructed are not module calls of the traced model."""
+  model, x = _LinenAroundNnx(), jnp.arange(8.0).reshape(2, 4) / 8
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  np.testing.assert_allclose(yax.eval_mox(mox, variables, x),
+                             model.apply(variables, x), rtol=1e-6)
+  linear = yax.query('//module_call[@type="Linear"]', mox)
+  assert [n.path for n in linear] == [('block', 'fc1'), ('block', 'fc2')]
+  for node in linear:  # the path is where its params are
+    kernel = variables['params'][node.path[0]][node.path[1]]['kernel']
+    assert [v.aval.shape for v in node.var_inputs] == [
+        (node.params['out_features'],), kernel.shape]
+  assert yax.query('//module_call[@method="hidden"]', mox) == []
+  rows = {(r.path, r.module): r for r in yax.summary(mox)}
+  total = sum(np.size(v) for v in jax.tree.leaves(variables))
+  assert rows[('', '_LinenAroundNnx')].params == total
+  assert rows[('block', 'ToLinen')].params == total - 3 * 2 - 2
+  assert rows[('block', '_Bridged')].params == total - 3 * 2 - 2
+  # LoRA on the NNX Linears inside the Linen call: identity at init, and
+  # merged adapters give the Linen model what the adapted tree computes.
+  res = yax.lora(mox, variables, '//module_call[@type="Linear"]', rank=2,
+                 key=jax.random.key(1))
+  assert res.paths == [('block', 'fc1'), ('block', 'fc2')]
+  want = model.apply(variables, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), want,
+                             rtol=1e-6)
+  trained = jax.tree.map(lambda p, m: p + 0.3 if m else p, res.params,
+                         res.mask)
+  adapted = yax.eval_mox(res.mox, trained, x)
+  assert not np.allclose(adapted, want)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), adapted,
+                             rtol=1e-5, atol=1e-6)

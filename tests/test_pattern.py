@@ -821,6 +821,57 @@ def test_unusable_patterns_raise_pattern_error(pattern, message):
     yax.match(pattern, mox)
 
 
+@pytest.mark.parametrize('pattern, message', [
+    (lambda x, y: (jnp.sin(x), jnp.cos(y)), 'not connected'),
+    (lambda x, y: jnp.sin(x), 'input 1 .* is not read'),
+])
+def test_unusable_patterns_are_refused_without_a_candidate(pattern, message):
+  """Validated before any search: the tree holds no sin or cos."""
+  mox = yax.make_mox(lambda x: jnp.exp(x) * 2.0)(jnp.ones(3))
+  with pytest.raises(yax.PatternError, match=message):
+    yax.match(pattern, mox)
+
+
+@jax.jit
+def _jitted_gelu_helper(x):
+  return jnp.tanh(exact_gelu(x)) + 1.0
+
+
+def test_match_holds_only_equations_map_mox_visits():
+  """A match inside a jit-ed helper's body (a Jaxpr calling no module)."""
+  mox = yax.make_mox(lambda x: _jitted_gelu_helper(x) * 2.0)(jnp.ones(3))
+  ms = yax.match(exact_gelu, mox)
+  assert len(ms) == 1
+  visited = {id(n) for n in yax.map_mox(lambda n: n, mox)}
+  assert all(id(e) in visited for e in ms[0].equations)
+
+
+def test_an_activation_inside_a_shard_map_body_is_found_and_swapped():
+  """MoE experts under shard_map (EasyDeL's Mixtral): a body that calls no
+  module; on a mesh of one device."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((1,), ('x',))
+
+  def experts(act):
+    return jax.shard_map(
+        lambda x, w: act(jnp.einsum('bi,eio->ebo', x, w)).sum(0),
+        mesh=mesh, in_specs=(P(), P()), out_specs=P())
+
+  x = jnp.linspace(-2.0, 2.0, 8).reshape(2, 4)
+  w = jnp.linspace(-1.0, 1.0, 48).reshape(3, 4, 4)
+  mox = yax.make_mox(lambda x, w: experts(jax.nn.silu)(x, w) + 1.0)(x, w)
+  sites = yax.match(jax.nn.silu, mox)
+  assert len(sites) == 1
+  visited = {id(n) for n in yax.map_mox(lambda n: n, mox)}
+  assert all(id(e) in visited for e in sites[0].equations)
+  new = yax.sub(sites, yax.trace_like(jnp.tanh), mox)
+  yax.check_mox(new)
+  want = experts(jnp.tanh)(x, w) + 1.0
+  np.testing.assert_allclose(yax.eval_mox(new, x, w), want, rtol=1e-6,
+                             atol=1e-6)
+  assert not np.allclose(yax.eval_mox(mox, x, w), want)
+
+
 def test_sub_rejects_matches_of_another_tree_and_leaves_the_tree_intact():
   f = lambda x: jnp.tanh(exact_gelu(x))
   mox_a = yax.make_mox(f)(jnp.ones(3))

@@ -397,3 +397,48 @@ def test_tiled_scales(fmt):
     np.testing.assert_allclose(g, w, **TOL)
   with pytest.raises(yax.SubstitutionError, match='does not divide'):
     yax.quantize(mox, variables, '//module_call[@path="conv"]', tile=4)
+
+
+@pytest.mark.parametrize('fmt,tile', [('int8', None), ('int4', 2),
+                                      ('nf4', None)])
+def test_qlora_on_every_storage_format_merges_to_float_params(fmt, tile):
+  """QLoRA in its own format: the adapted quantized tree computes the Flax
+  model on ``dequantized kernel + (alpha / rank) * A @ B`` (reference
+  quantizer above), and merge gives those float kernels for the float
+  tree."""
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  img = jax.random.normal(jax.random.key(1), (1, 6, 6, 2))
+  variables = model.init(jax.random.key(2), x, img)
+  mox = yax.make_mox(model.apply)(variables, x, img)
+  selection = '//module_call[@type="Dense" or @type="Einsum" or @type="Conv"]'
+  q = yax.quantize(mox, variables, selection, weight=fmt, tile=tile)
+  res = yax.lora(q.mox, q.params, selection, rank=2, alpha=3.0)
+  yax.check_mox(res.mox)
+  assert res.paths == [('conv',), ('dense',), ('einsum',)]
+  # At init the adapters change nothing.
+  for g, w in zip(yax.eval_mox(res.mox, res.params, x, img),
+                  yax.eval_mox(q.mox, q.params, x, img), strict=True):
+    np.testing.assert_array_equal(g, w)
+  rng = np.random.default_rng(0)
+  trained = jax.tree.map(
+      lambda v, m: v + rng.normal(0, 0.3, np.shape(v)).astype(np.float32)
+      if m else v, res.params, res.mask)
+  ref = jax.tree.map(lambda a: a, variables)
+  deltas = {'dense': 'ir,ro->io', 'einsum': 'dr,rnh->ndh',
+            'conv': 'hwir,ro->hwio'}
+  for path, name, contracted in KERNELS:
+    w = variables['params'][path][name]
+    w = (reference(w, fmt, contracted) if tile is None else
+         reference_tiled(w, fmt, contracted, tile))
+    t = trained['params'][path]
+    ref['params'][path][name] = w + 1.5 * np.einsum(
+        deltas[path], t['lora_a'], t['lora_b'])
+  want = model.apply(ref, x, img)
+  for g, w in zip(yax.eval_mox(res.mox, trained, x, img), want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+  merged = res.merge(trained)
+  assert jax.tree.structure(merged) == jax.tree.structure(variables)
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(merged))
+  for g, w in zip(model.apply(merged, x, img), want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

@@ -291,6 +291,48 @@ def test_gemma_lora_identity_and_merge(gemma):
   assert mlp['linear_lora_b'].shape == (2, 32)
 
 
+def _int8_reference(w, contracted):
+  """``w`` rounded to int8 with one absmax scale per output channel (over
+  the ``contracted`` axes), written here independently of yax."""
+  w = np.asarray(w, np.float32)
+  absmax = np.abs(w).max(axis=contracted, keepdims=True)
+  scale = np.where(absmax > 0, absmax / 127.5, 1.0)
+  x = np.where(np.abs(w) == absmax, np.sign(w) * 127.5, w / scale)
+  return np.clip(np.round(x), -128, 127) * scale
+
+
+def test_gemma_quantize_matches_the_dequantized_model(gemma):
+  # gemma's Transformer.__call__ runs under nn.jit: every Einsum sits in a
+  # lifted body.
+  q = yax.quantize(gemma.mox, gemma.variables,
+                   '//module_call[@type="Einsum"]', weight='int8')
+  layers = gemma.config.num_layers
+  assert len(q.paths) == 4 * layers  # q, kv, out; the FFW's shared scope
+  # The reference: every Einsum kernel rounded here, the model run by
+  # gemma itself. Contracted axes: q NDH: D; kv CKDH: D; out NHD: N, H;
+  # the FFW's (transposed) gating 2FD: D and linear FD: F.
+  contracted = {'q_einsum': (1,), 'kv_einsum': (2,), 'attn_vec_einsum': (0, 1),
+                'gating_einsum': (2,), 'linear': (0,)}
+  reference = jax.tree.map(lambda x: x, gemma.variables)
+  for i in range(layers):
+    layer = reference['params'][f'layer_{i}']
+    for name in ('q_einsum', 'kv_einsum', 'attn_vec_einsum'):
+      layer['attn'][name]['w'] = jnp.asarray(_int8_reference(
+          layer['attn'][name]['w'], contracted[name]))
+    for name in ('gating_einsum', 'linear'):
+      layer['mlp'][name] = jnp.asarray(_int8_reference(
+          layer['mlp'][name], contracted[name]))
+    stored = q.params['params'][f'layer_{i}']
+    assert stored['attn']['q_einsum']['w'].dtype == jnp.int8
+    assert stored['mlp']['linear'].dtype == jnp.int8
+  want = gemma.call(reference, *gemma.args)
+  got = yax.eval_mox(q.mox, q.params, *gemma.args)
+  assert_trees_close(got, want, **TOL)
+  assert_trees_close(q.dequantize(q.params), reference, **TOL)
+  before, after = q.nbytes
+  assert after < before
+
+
 def test_gemma_summary_counts_every_parameter(gemma):
   rows = yax.summary(gemma.mox)
   top = rows[0]

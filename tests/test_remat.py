@@ -4,28 +4,19 @@ residuals JAX saves for the backward pass, and XLA's memory analysis."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 
 import flax.linen as nn
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import yax
-from helpers import assert_trees_close, check_rewrite, equations, modules
-
-
-def saved_residuals(fn, *args) -> list[str]:
-  """The types of what JAX keeps for the backward pass of ``fn``, the
-  arguments excluded (JAX's own ``print_saved_residuals``), sorted."""
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
-  return sorted(line.split(' ')[0] for line in buf.getvalue().splitlines()
-                if line and ' from the argument ' not in line)
+from helpers import (assert_trees_close, check_rewrite, equations, modules,
+                     saved_residuals)
 
 
 def xla_memory(fn, *args) -> tuple:
@@ -253,3 +244,32 @@ def test_remat_equals_hugging_face_gradient_checkpointing():
       theirs, model.params, ids)
   assert xla_memory(mine, model.params, ids) == xla_memory(
       theirs, model.params, ids)
+
+
+def test_remat_after_lora_quantize_and_fewbit(stack_mox):
+  """lora and quantize add variables, which leaves the enclosing calls
+  without a Flax class (ephemeral): remat selects them by path. QLoRA +
+  few-bit + remat is the memory-lean fine-tune."""
+  lo = yax.lora(stack_mox, VARS, '//module_call[@type="Dense"]', rank=2)
+  blocks = '//module_call[@path="block0" or @path="block1"]'
+  new = check_rewrite(yax.remat(lo.mox, blocks))
+  assert len(yax.query('//module_call[@remat="nothing_saveable"]', new)) == 2
+  mine = loss_of(lambda p, x: yax.eval_mox(new, p, x))
+  plain = loss_of(lambda p, x: yax.eval_mox(lo.mox, p, x))
+  assert_trees_close(jax.grad(mine)(lo.params, X), jax.grad(plain)(lo.params, X),
+                     rtol=1e-5, atol=1e-6)
+  assert len(saved_residuals(mine, lo.params, X)) < len(
+      saved_residuals(plain, lo.params, X))
+  q = yax.quantize(stack_mox, VARS, '//module_call[@type="Dense"]')
+  qlora = yax.lora(q.mox, q.params, '//module_call[@type="Dense"]', rank=2)
+  lean = check_rewrite(yax.remat(yax.fewbit(qlora.mox), blocks))
+  ref = yax.fewbit(qlora.mox)
+  np.testing.assert_array_equal(yax.eval_mox(lean, qlora.params, X),
+                                yax.eval_mox(ref, qlora.params, X))
+  f_lean = lambda x: jnp.sum(jnp.cos(yax.eval_mox(lean, qlora.params, x)))
+  f_ref = lambda x: jnp.sum(jnp.cos(yax.eval_mox(ref, qlora.params, x)))
+  assert_trees_close(jax.grad(f_lean)(X), jax.grad(f_ref)(X), rtol=1e-5,
+                     atol=1e-6)
+  # Activations (the [4, 6, ...] values) kept: the two block inputs only.
+  acts = lambda f: [t for t in saved_residuals(f, X) if t.startswith('f32[4,6,')]
+  assert len(acts(f_lean)) < len(acts(f_ref))

@@ -4,13 +4,9 @@ The device count is fixed when JAX starts, so the check runs in a fresh
 Python process with ``--xla_force_host_platform_device_count=8``.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import run_on_host_devices
 
 SCRIPT = textwrap.dedent('''
     import flax.linen as nn
@@ -84,16 +80,4 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_eval_mox_on_a_mesh_of_8_cpu_devices(tmp_path):
-  script = tmp_path / 'sharded.py'
-  script.write_text(SCRIPT)
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(ROOT), str(ROOT / 'tests')] +
-      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  proc = subprocess.run([sys.executable, str(script)], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'SHARDING-OK' in proc.stdout
+  run_on_host_devices(SCRIPT, tmp_path, 'SHARDING-OK')

@@ -348,3 +348,75 @@ def test_wrap_breaks_only_at_spaces_commas_slashes():
       ['encoder/layer/0/', 'attention']
   assert _summary._wrap('(f32[2,3], f32[4])', 10) == ['(f32[2,3],', 'f32[4])']
   assert _summary._wrap('averyveryverylongword', 5) == ['averyveryverylongword']
+
+
+# ------------------------------------------- every parameter in one row
+
+def _nnx_models():
+  from flax import nnx
+  from jax.sharding import PartitionSpec as P
+
+  class Experts(nnx.Module):  # never called: the MoE block reads its kernel
+    def __init__(self):
+      self.w = nnx.Param(jnp.linspace(-1.0, 1.0, 48).reshape(3, 4, 4))
+
+  class MoE(nnx.Module):
+    def __init__(self, rngs):
+      self.gate = nnx.Linear(4, 3, rngs=rngs)
+      self.experts = Experts()
+
+    def __call__(self, x):
+      mesh = jax.make_mesh((1,), ('x',))
+      experts = jax.shard_map(
+          lambda x, w: jax.nn.silu(jnp.einsum('...i,eio->...o', x, w)),
+          mesh=mesh, in_specs=(P(), P()), out_specs=P())
+      return experts(x, self.experts.w[...]) + self.gate(x).sum()
+
+  class Embed(nnx.Module):
+    def __init__(self):
+      self.embedding = nnx.Param(jnp.linspace(0.0, 1.0, 40).reshape(10, 4))
+
+    def __call__(self, ids):
+      return self.embedding[...][ids]
+
+  class Decoder(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, ids, shared_embedding):
+      return self.lin(shared_embedding(ids))
+
+  class Top(nnx.Module):
+    """MaxText's ``self.decoder(shared_embedding=self.token_embedder)``: a
+    module passed as an argument to another module's method."""
+
+    def __init__(self, rngs):
+      self.token_embedder = Embed()
+      self.decoder = Decoder(rngs)
+      self.moe = MoE(rngs)
+
+    def __call__(self, ids):
+      return self.moe(self.decoder(ids, shared_embedding=self.token_embedder))
+
+  return nnx, Top
+
+
+def test_every_parameter_sits_in_one_row():
+  """Each parameter is the own parameter of exactly one row, and the root
+  row and the total count every parameter: the embedding reached through
+  an argument of another module's method, and experts read (inside a
+  shard_map) from a submodule that is never called."""
+  nnx, Top = _nnx_models()
+  model = Top(nnx.Rngs(0))
+  ids = jnp.array([[1, 2, 3]])
+  mox = yax.make_mox(lambda m, ids: m(ids))(model, ids)
+  n_model = sum(int(np.size(x)) for x in
+                jax.tree.leaves(nnx.state(model, nnx.Param)))
+  rows = {r.path: r for r in yax.summary(mox)}
+  assert rows[''].params == n_model
+  assert _summary.total_params(mox)[0] == n_model
+  assert sum(r.own_params for r in rows.values()) == n_model
+  assert rows['decoder'].params == 4 * 4 + 4 + 10 * 4
+  assert rows['token_embedder'].own_params == 10 * 4
+  assert rows['moe'].own_params == 3 * 4 * 4  # the experts' kernel
+  assert rows['moe'].params == 3 * 4 * 4 + 4 * 3 + 3

@@ -18,6 +18,7 @@ from yax._errors import XPathError as XPathError
 from yax._errors import YaxError as YaxError
 from yax._eval import Interpreter as Interpreter
 from yax._explorer import to_model_explorer as to_model_explorer
+from yax._fewbit import fewbit as fewbit
 from yax._eval import eval_mox as eval_mox
 from yax._lower import to_jaxpr as to_jaxpr
 from yax._ir import Equation as Equation
@@ -26,7 +27,7 @@ from yax._ir import Literal as Literal
 from yax._ir import Mox as Mox
 from yax._ir import Symbol as Symbol
 from yax._ir import Var as Var
-from yax._ir import map_mox as map_mox
+from yax._trace import map_mox as map_mox
 from yax import _printing  # noqa: F401 - registers str(expr) with ``_ir``
 from yax._pattern import Match as Match
 from yax._pattern import explain_match as explain_match

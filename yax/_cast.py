@@ -28,7 +28,8 @@ from jax import tree_util as jtu
 from yax import _eval
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Literal, Mox
-from yax._sub import describe, select, substitute
+from yax._sub import (describe, leave_out_hint, read_symbols, select,
+                      substitute)
 from yax._trace import make_mox
 
 
@@ -77,7 +78,15 @@ def _prefixed(expr, prefix: tuple):
   return expr.replace(children=children)
 
 
-def _replayed(node: Mox, dtype) -> Mox:
+def _out_dtypes(node: Mox, output) -> list:
+  """The dtype each output of the new call returns: ``output`` for a
+  floating one where given, else its traced dtype."""
+  return [None if s.aval is None else output
+          if output is not None and _is_float(s.aval) else s.aval.dtype
+          for s in node.outputs]
+
+
+def _replayed(node: Mox, dtype, output=None) -> Mox:
   """A replacement for a call that cannot be rebuilt (an NNX module): its
   traced body run again on inputs and variables cast to ``dtype``, every
   equation at the dtype promotion gives it (an explicit cast in the body
@@ -85,8 +94,7 @@ def _replayed(node: Mox, dtype) -> Mox:
   spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
   values = [s.value if isinstance(s, Literal) else spec(s)
             for s in node.inputs]
-  traced_out = [s.aval.dtype if s.aval is not None else None
-                for s in node.outputs]
+  traced_out = _out_dtypes(node, output)
 
   def run(values):
     low = [v.astype(dtype) if _is_float(v) else v for v in values]
@@ -116,7 +124,7 @@ def _recast(node: Mox, dtype, output) -> Mox:
   """A replacement for ``node``: the module traced again at ``dtype``."""
   cls = node.module_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-    return _replayed(node, dtype)
+    return _replayed(node, dtype, output)
   module, has_dtype = _rebuilt(node, dtype)
   method = getattr(type(module), node.entrypoint or '__call__', None)
   if not callable(method):
@@ -128,8 +136,7 @@ def _recast(node: Mox, dtype, output) -> Mox:
   leaves = [s.value if isinstance(s, Literal) else spec(s)
             for s in node.arg_inputs]
   args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
-  traced_out = [s.aval.dtype if s.aval is not None else None
-                for s in node.outputs]
+  traced_out = _out_dtypes(node, output)
 
   def low(x):
     return x.astype(dtype) if _is_float(x) else x
@@ -145,6 +152,13 @@ def _recast(node: Mox, dtype, output) -> Mox:
   try:
     root = make_mox(run)(variables, args, kwargs)
   except Exception as e:  # noqa: BLE001 - reported with the module's name
+    # A call traced under a batching transform (nn.vmap) holds its
+    # variables and inputs stacked, which the module's own code does not
+    # take: its traced (batched) body is run again instead.
+    try:
+      return _replayed(node, dtype)
+    except _Refused:
+      pass
     raise _Refused(f'tracing it again at {dtype.name} raised '
                    f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
         from None
@@ -181,9 +195,11 @@ def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
   - ``selection``: XPath (or node list) of module calls (Linen or NNX), e.g.
     ``'//module_call[@type="Dense"]'``.
   - ``compute``: the floating dtype the selected calls compute in.
-  - ``output``: the dtype of their floating outputs; they are cast back to
-    the traced dtypes, which the rest of the tree reads, so ``output`` may
-    only name that dtype (anything else raises ``SubstitutionError``).
+  - ``output``: the dtype of their floating outputs (default: cast back to
+    the traced dtypes, which the rest of the tree reads). Another dtype is
+    for outputs nothing in the tree reads (the model's own outputs, from
+    its last module); for an output read further on it raises
+    ``SubstitutionError``.
 
   **Returns:** the new tree. Its params are the original ones (stored in
   their own dtype). Each cast call keeps its type, path and variables; its
@@ -200,30 +216,49 @@ def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
     raise SubstitutionError(f'cast expects a Mox, found {type(mox).__name__}')
   dtype = _float_dtype(compute, 'compute')
   chosen = select(selection, mox)
+  templates, problems = {}, []
   if output is not None:
     output = _float_dtype(output, 'output')
-    traced = {s.aval.dtype for n in chosen.targets if isinstance(n, Mox)
-              for s in n.outputs if s.aval is not None and _is_float(s.aval)}
-    if traced - {output}:
-      raise SubstitutionError(
-          f'cast: output={output.name} differs from the dtype the rest of '
-          f'the tree was traced to read from these calls '
-          f"({', '.join(sorted(d.name for d in traced))}); the calls' "
-          'outputs are cast back to it. Trace the model again with that '
-          'dtype to change what follows them')
-  templates, problems = {}, []
+    problems = _output_read(mox, chosen, output)
   for node in chosen.targets:
     if isinstance(node, Equation) or node.is_ephemeral:
       raise SubstitutionError(
           f'cast selects module calls, but {chosen.description} matched '
           f'{describe(node)}')
+    if any(node is n for n, _ in problems):
+      continue
     try:
       templates[id(node)] = _recast(node, dtype, output)
     except _Refused as why:
-      problems.append(f'  - {describe(node)}: {why}')
+      problems.append((node, str(why)))
   if problems:
     raise SubstitutionError(
         f'cast cannot make {len(problems)} of the {len(chosen.targets)} '
         f'module calls selected by {chosen.description} compute in '
-        f'{dtype.name}:\n' + '\n'.join(problems))
-  return substitute(chosen, lambda path, node: templates[id(node)], mox).mox
+        f'{dtype.name}:\n' + '\n'.join(
+            f'  - {describe(n)}: {why}' for n, why in problems) + '\n' +
+        leave_out_hint([(n, False) for n, _ in problems], selection,
+                       chosen.targets))
+  return substitute(chosen, lambda path, node: templates[id(node)], mox,
+                    retype=output is not None).mox
+
+
+def _output_read(mox: Mox, chosen, output) -> list:
+  """``(call, why)`` for each selected call whose floating output of
+  another dtype than ``output`` is read further on (or inside a lifted
+  transform's body), where its type cannot change."""
+  read = read_symbols(mox)
+  problems = []
+  for node in chosen.targets:
+    if not isinstance(node, Mox):
+      continue
+    changed = [s for s in node.outputs if s.aval is not None and
+               _is_float(s.aval) and s.aval.dtype != output]
+    in_body = any(isinstance(a, Equation) for a in chosen.ancestors[id(node)])
+    if changed and (in_body or any(s in read for s in changed)):
+      problems.append((node, (
+          f'output={output.name}: its output {changed[0].type_str} is read '
+          'further on in the tree, traced to read that dtype (only outputs '
+          "nothing reads, the model's own, may change dtype; leave output= "
+          'out to cast them back)')))
+  return problems

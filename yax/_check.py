@@ -394,10 +394,22 @@ def _check_scopes(mox: Mox) -> None:
           f'{_where(node)} has {len(node.constvars)} constant symbols but '
           f'{len(node.consts)} constant values')
 
-  def walk(scope: _Scope, node, path):
+  # The traced function's arguments (parameters among them): a module call
+  # that reads one lists it among its inputs, as every call around it does.
+  arguments = {s for s in mox.inputs if not isinstance(s, Literal)}
+
+  def read_in(call, scope: _Scope, sym, node, what, path):
+    read(scope, sym, node, what, path)
+    if call is not None and sym in arguments and sym not in call.inputs:
+      raise InvariantError(
+          f'{_where(node, path)} reads {what} {sym!r}, an argument of the '
+          f'traced function, inside {_where(call)}, which does not list it '
+          'among its inputs; a module call reads the variables it lists')
+
+  def walk(scope: _Scope, node, path, call=None):
     if isinstance(node, Equation):
       for i, s in enumerate(node.inputs):
-        read(scope, s, node, f'input {i}', path)
+        read_in(call, scope, s, node, f'input {i}', path)
       if not len(node.children) == len(node.body_keys) == len(node.body_forms):
         raise InvariantError(
             f'{_where(node, path)} has {len(node.children)} bodies, '
@@ -415,9 +427,10 @@ def _check_scopes(mox: Mox) -> None:
       return
     check_counts(node)
     for i, s in enumerate(node.inputs):
-      read(scope, s, node, f'input {i}', path)
+      read_in(call, scope, s, node, f'input {i}', path)
+    inner = call if node.is_ephemeral else node
     for child in node.children:
-      walk(scope, child, node.path)
+      walk(scope, child, node.path, inner)
     for i, s in enumerate(node.outputs):
       read(scope, s, node, f'output {i}', path)
 

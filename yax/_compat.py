@@ -132,3 +132,56 @@ try:
     return any(ty in r for r in _REGISTRIES) or issubclass(ty, tuple)
 except ImportError:  # pragma: no cover - flax without nnx
   nnx_node_items = nnx_is_node_type = None
+
+
+# Why: a rewrite that threads new inputs into a ``scan`` body (LoRA adapters
+# or new variables of a module inside ``nn.scan``) must say in the equation's
+# params how many loop constants it has. JAX up to 0.11 counts them in
+# ``num_consts``/``num_carry``; JAX 0.12 replaced those by ``ft_in``/``ft_out``,
+# flat trees (``jax._src.flattree``, no public name) of (consts, carry, xs).
+try:
+  from jax._src import flattree as _flattree
+except ImportError:  # pragma: no cover - JAX without flat-tree scan params
+  _flattree = None
+
+
+def scan_num_consts(params) -> int:
+  """The number of loop constants of a ``scan`` equation."""
+  if 'num_consts' in params:
+    return params['num_consts']
+  consts, _, _ = params['ft_in'].unpack()
+  return len(consts)
+
+
+def scan_params_with_inputs(params, new_consts: int, new_xs: int) -> dict:
+  """``scan`` params for ``new_consts`` more loop constants (after the
+  existing ones) and ``new_xs`` more scanned inputs (after the existing
+  ones)."""
+  if 'num_consts' in params:
+    num_consts = params['num_consts']
+    params = dict(params, num_consts=num_consts + new_consts)
+    if 'linear' in params:  # dropped from scan in newer JAX
+      lin = list(params['linear'])
+      params['linear'] = (*lin[:num_consts], *[False] * new_consts,
+                          *lin[num_consts:], *[False] * new_xs)
+    return params
+  consts, carry, xs = params['ft_in'].unpack()
+  return dict(params, ft_in=_flattree.pack((
+      (consts, _flattree.nones(new_consts)), carry,
+      (xs, _flattree.nones(new_xs)))))
+
+
+def linen_variable_names(scope) -> list[tuple[str, str]]:
+  """``(collection, name)`` of every variable a bound Linen module's scope
+  has reserved so far (``self.param``/``self.variable`` calls), submodule
+  scopes left out.
+
+  Why: a variable whose value is a dict looks, in ``module.variables``,
+  exactly like a submodule's scope; only the scope's reservations tell the
+  two apart. ``Scope.reservations`` (``flax.core.scope``) maps a name to
+  the collections it was reserved in, ``None`` for a submodule."""
+  reserved = getattr(scope, 'reservations', None)
+  if not reserved:
+    return []
+  return [(col, name) for name, cols in reserved.items() for col in cols
+          if col is not None]

@@ -130,12 +130,8 @@ def to_model_explorer(mox: Mox, *, graph_id: str = 'yax'):
 
   # Variables: a node in the namespace of the module that owns each one.
   owner: dict[int, tuple[str, str]] = {}
-  unlisted = _summary.UnlistedVariables(mox)  # dict-valued Linen params
   for call in _summary.module_calls(mox):
-    own_vars = _summary.own_variables(call)
-    for collection, extra in unlisted.own(call).items():
-      own_vars[collection] = {**own_vars.get(collection, {}), **extra}
-    for collection, own in own_vars.items():
+    for collection, own in _summary.own_variables(call).items():
       for name, sym in own.items():
         key = name if collection == _summary.PARAMS else f'{collection}/{name}'
         owner.setdefault(id(sym), ('/'.join(call.path), key))

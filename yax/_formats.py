@@ -5,6 +5,7 @@ Used by ``yax.quantize`` and by ``yax.lora``'s merge on a quantized tree."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,6 +24,14 @@ FORMATS = {
     'fp8': (jnp.float8_e4m3fn, 448.0, 8),
     'nf4': (jnp.uint4, 1.0, 4),
 }
+
+
+def _nf4_table():
+  """NF4's levels built from scalar literals: traced, the table is
+  computed in the call that reads it, not a constant captured from outside
+  it (which a rewrite wrapping the call, QLoRA's adapter, could not see)."""
+  return jax.lax.concatenate(
+      [jnp.full((1,), float(v), jnp.float32) for v in NF4_LEVELS], 0)
 
 
 def _tiled(w, contracted: tuple, tile: int):
@@ -83,7 +92,7 @@ def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
   """The float kernel of ``q`` and its scales (tiled scales, of rank
   ``q.ndim - len(contracted) + 2``, need the ``contracted`` axes)."""
   if fmt == 'nf4':
-    values = jnp.take(jnp.asarray(NF4_LEVELS), q.astype(jnp.int32))
+    values = jnp.take(_nf4_table(), q.astype(jnp.int32))
   else:
     values = q.astype(jnp.float32)
   if scale.ndim != values.ndim or (

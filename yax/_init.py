@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import zlib
 
 import flax.linen as nn
@@ -23,12 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
 
-from yax import _nnx
+from yax import _contraction, _nnx
+from yax._arguments import boxed_like
 from yax._containers import set_many
 from yax._errors import SubstitutionError
+from yax._formats import FORMATS, quantize_array
 from yax._ir import Mox, Symbol, iter_nodes
 from yax._sub import collections_of
-from yax._variables import NNX_GROUP, var_keys, var_kind
+from yax._variables import (NNX_GROUP, key_name, location, unboxed_path,
+                            var_entries, var_keys, var_kind)
 
 
 def _declared(mox: Mox) -> dict:
@@ -37,9 +41,9 @@ def _declared(mox: Mox) -> dict:
   out = {}
   for node in iter_nodes(mox):
     if isinstance(node, Mox) and not node.is_ephemeral:
-      for keys in var_keys(node):
-        if len(keys) == 2:
-          out.setdefault((keys[0], *node.path, keys[1]), node)
+      for entry in var_entries(node):
+        if len(entry.rel_path) == 1:
+          out.setdefault(location(node, entry), node)
   return out
 
 
@@ -126,25 +130,32 @@ def init_params(mox: Mox, params, *, key):
   expected = (args if side == 0 else kwargs)[position]
   flat_expected = jtu.tree_flatten_with_path(
       expected, is_leaf=lambda s: isinstance(s, Symbol))[0]
-  have = {_path_of(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
+  have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
   declared = _declared(mox)
-  inside = {col: tuple(map(str, p[2:])) for col, p in prefixes.items()}
+  inside = {col: tuple(p[2:]) for col, p in prefixes.items()}
   cache, values = {}, []
   for keypath, sym in flat_expected:
-    path = _path_of(keypath)
+    path = _keys(keypath)
     if path in have:
       continue
     col = next((c for c, pre in inside.items() if path[:len(pre)] == pre),
                None)
-    loc = (col, *path[len(inside[col]):]) if col is not None else None
+    # The variable's location: module paths and names are strings.
+    loc = ((col, *map(str, path[len(inside[col]):])) if col is not None
+           else None)
     node = declared.get(loc) if loc is not None else None
     where = 'params' + ''.join(f'[{k!r}]' for k in path)
     if node is None:
       raise SubstitutionError(
           f'init_params: the tree reads {where} ({sym.type_str}), which '
           'params lacks, and no module call of the tree declares it')
+    folded = jax.random.fold_in(key, zlib.crc32('/'.join(loc).encode()))
+    made = _rewrite_variable(node, loc[-1], sym, folded, params, keypath,
+                             where)
+    if made is not None:  # a LoRA adapter, a quantization scale
+      values.extend(made)
+      continue
     if id(node) not in cache:
-      folded = jax.random.fold_in(key, zlib.crc32('/'.join(loc).encode()))
       cls = node.module_ty
       if isinstance(cls, type) and issubclass(cls, nn.Module):
         cache[id(node)] = _linen_variables(node, folded)
@@ -163,11 +174,78 @@ def init_params(mox: Mox, params, *, key):
           f'{value.dtype}{list(value.shape)}, but the tree reads '
           f'{sym.type_str}')
     if col == NNX_GROUP:
-      index = [k[1:] for k in var_keys(node)].index(tuple(loc[1 + len(
-          node.path):]))
-      value = _nnx.variable_holding(var_kind(node, index)[0], value)
-    values.append((tuple(_native_keys(keypath)), value))
+      entry = next(e for e in var_entries(node)
+                   if location(node, e) == loc)
+      value = _nnx.variable_holding(entry.kind, value)
+    values.append((path, value))
   return set_many(params, values)
+
+
+def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
+                      where: str):
+  """``[(native key path, value), ...]`` for a variable that a rewrite
+  added (no Flax module declares it): a LoRA adapter (``A`` random as
+  ``lora`` draws it, ``B`` zero) or a quantization scale (from the float
+  kernel in ``params``, which is stored quantized with it); None for any
+  other variable."""
+  adapter = name.endswith(('lora_a', 'lora_b'))
+  is_lora = _is_lora_call(node)
+  if is_lora and not adapter:  # a variable of the call it wraps
+    node = node.children[0]
+  keys = var_keys(node)
+  index = [k[-1] for k in keys].index(name)
+  is_nnx = keys[index][0] == NNX_GROUP
+  box = (lambda v: _nnx.variable_holding(var_kind(node, index)[0], v)) \
+      if is_nnx else (lambda v: v)
+  shape, dtype = tuple(sym.aval.shape), sym.aval.dtype
+  if is_lora and adapter:
+    if name.endswith('lora_b'):
+      return [(_keys(keypath), box(jnp.zeros(shape, dtype)))]
+    plan = _contraction.kernel_plan(node.children[0], shape[-1])
+    if isinstance(plan, str):
+      raise SubstitutionError(f'init_params: {where} is a LoRA adapter, but '
+                              f'its module no longer fits one: {plan}')
+    value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(
+        plan.fan_in)
+    return [(_keys(keypath), box(value.astype(dtype)))]
+  fmt = node.params.get('quant')
+  if fmt not in FORMATS or not name.endswith('_scale'):
+    return None
+  kernel_name = name[:-len('_scale')]
+  plan = _contraction.kernel_plan(node, 1)
+  if isinstance(plan, str) or plan.kernel_name != kernel_name:
+    raise SubstitutionError(
+        f'init_params: {where} is the scale of a quantized kernel, but its '
+        f'module reads no kernel {kernel_name!r} quantize could scale')
+  kernel_path = (*_keys(keypath)[:-1], kernel_name)
+  kernel = nn.meta.unbox(_get(params, kernel_path))
+  if isinstance(kernel, nnx.Variable):
+    kernel = kernel[...]
+  if not jnp.issubdtype(kernel.dtype, jnp.floating) or \
+      jnp.dtype(kernel.dtype).itemsize < 2:
+    raise SubstitutionError(
+        f'init_params: {where} is the scale of the quantized kernel '
+        f'{kernel_name!r}, which params holds already stored as '
+        f'{kernel.dtype}; a scale comes from the float kernel')
+  size = math.prod(plan.kernel_shape[v] for v in plan.contracted)
+  tile = None if len(shape) == len(plan.kernel_shape) else size // shape[0]
+  q, scale = quantize_array(kernel, fmt, plan.contracted, tile)
+  old = _get(params, kernel_path)
+  return [(tuple(kernel_path), boxed_like(old, q)),
+          (_keys(keypath), box(scale.astype(dtype)))]
+
+
+def _is_lora_call(node: Mox) -> bool:
+  """Whether ``node`` is a call ``yax.lora`` made (its marker class
+  ``LoRA``, wrapping the adapted call as its first child)."""
+  return getattr(node.module_ty, '__name__', None) == 'LoRA' and bool(
+      node.children) and isinstance(node.children[0], Mox)
+
+
+def _get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
 
 
 def _lookup(variables, loc, node: Mox, where: str, is_nnx: bool):
@@ -187,20 +265,7 @@ def _lookup(variables, loc, node: Mox, where: str, is_nnx: bool):
   return nn.meta.unbox(value)
 
 
-def _path_of(keypath) -> tuple:
-  out = []
-  for k in keypath:
-    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
-      continue
-    out.append(str(getattr(k, 'key', getattr(k, 'idx', getattr(
-        k, 'name', k)))))
-  return tuple(out)
-
-
-def _native_keys(keypath) -> list:
-  out = []
-  for k in keypath:
-    if isinstance(k, jtu.GetAttrKey) and k.name == 'value':
-      continue
-    out.append(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
-  return out
+def _keys(keypath) -> tuple:
+  """A params key path as its dict keys, attribute names and indices (the
+  ``value`` field of an NNX Variable left out)."""
+  return tuple(key_name(k) for k in unboxed_path(keypath))

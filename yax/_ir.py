@@ -319,18 +319,6 @@ def iter_nodes(expr: Expr) -> Iterator[Expr]:
     stack.extend(reversed(getattr(node, 'children', ())))
 
 
-def map_mox(fn: Callable[[Expr], Any], mox: Expr) -> list[Any]:
-  """Calls ``fn`` on every node of the tree in pre-order; returns the results.
-
-  **Arguments:**
-  - ``fn``: called as ``fn(node)`` for the root, then each child, depth first.
-  - ``mox``: the tree (or any node of it).
-
-  **Returns:** the list of ``fn``'s return values, in visiting order.
-  """
-  return [fn(node) for node in iter_nodes(mox)]
-
-
 def leaf_equations(expr: Expr) -> Iterator[Equation]:
   """Equations in evaluation order, descending into module calls only."""
   for child in expr.children:

@@ -55,16 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
-from yax import _contraction, _rules
+from yax import _contraction, _nnx
+from yax._arguments import boxed_like, unboxed, with_argument_structure
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
-from yax._formats import FORMATS, dequantize_array
-from yax._ir import Equation, Literal, Mox, Symbol, Var, iter_nodes
-from yax import _nnx
-from yax._sub import (Selection, collections_of, non_literals, describe,
-                      root_keypaths, select, substitute)
-from yax._variables import (NNX_GROUP, VarEntry, is_nnx, var_keys, var_kind,
-                            with_variables)
+from yax._formats import dequantize_array
+from yax._ir import Mox, Symbol, Var
+from yax._sub import (Selection, collections_of, describe, inline,
+                      leave_out_hint, select, substitute)
+from yax._variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._trace import make_mox
 
 
@@ -96,37 +95,6 @@ class LoraResult:
 _ADAPTER_NAMES = ('lora_a', 'lora_b')
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """How one module call gets its adapter: its kernel's contraction and the
-  adapter shapes, in the kernel's own axis order.
-
-  ``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
-  axes]`` for a ``dot_general``; ``A: [*kernel axes but the output feature,
-  rank]`` (the window and input features) and ``B: [rank, out]`` for a
-  convolution.
-  """
-  contraction: _contraction.Contraction
-  kernel_keys: tuple  # ('params', 'kernel'), ('nnx', 'w') ...
-  kernel_shape: tuple
-  a_shape: tuple
-  b_shape: tuple
-  a_axes: tuple  # kernel axis of each axis of A (None: the rank)
-  b_axes: tuple
-  names: tuple = _ADAPTER_NAMES  # the adapters' variable names
-  # Where the adapters live: the module path (None: the node's own), and,
-  # for a call-site adapter, why merging it into the kernel is refused.
-  place: tuple | None = None
-  tied: str | None = None
-  # The storage format of a kernel quantized by yax.quantize (merge then
-  # returns float params for the tree quantize started from).
-  quant: str | None = None
-
-  @property
-  def kernel_name(self) -> str:
-    return self.kernel_keys[-1]
-
-
 def adapter_dtype(kernel: Symbol, c: _contraction.Contraction):
   """The kernel's dtype, or for a quantized kernel (int8, fp8 ...) the
   dtype its contraction computes in."""
@@ -134,17 +102,6 @@ def adapter_dtype(kernel: Symbol, c: _contraction.Contraction):
   if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 2:
     return dtype
   return c.z_aval.dtype
-
-
-def _own_params(node: Mox) -> list[int]:
-  """Variable input positions of the module's own parameters."""
-  return [i for i, keys in enumerate(var_keys(node))
-          if len(keys) == 2 and var_kind(node, i)[1]]
-
-
-def _own_param_names(node: Mox) -> set:
-  keys = var_keys(node)
-  return {keys[i][-1] for i in _own_params(node)}
 
 
 def _is_adapter_name(name) -> bool:
@@ -155,56 +112,10 @@ def _path_str(node: Mox) -> str:
   return '/'.join(node.path)
 
 
-def kernel_plan(node: Mox, rank: int) -> _Plan | str:
-  """How ``node`` is adapted, or why it cannot be."""
-  keys = var_keys(node)
-  candidates = [i for i in _own_params(node)
-                if node.var_inputs[i].aval is not None
-                and node.var_inputs[i].aval.ndim >= 2]
-  found, reasons = [], []
-  for i in sorted(candidates, key=lambda i: keys[i][-1] != 'kernel'):
-    got = _contraction.find(node, i)
-    (found if isinstance(got, _contraction.Contraction) else reasons).append(
-        (i, got))
-  if not found:
-    if reasons:
-      i, why = reasons[0]
-      return (f"its kernel {'/'.join(keys[i])}:"
-              f'{node.var_inputs[i].type_str} cannot carry an adapter: {why}')
-    listed = ', '.join('/'.join(k) + ':' + s.type_str
-                       for k, s in zip(keys, node.var_inputs, strict=True))
-    return ('it has no parameter of 2 or more axes that reaches a '
-            'dot_general or convolution (a kernel); its variables are '
-            f"[{listed or 'none'}]")
-  if len(found) > 1:
-    names = ', '.join('/'.join(keys[i]) for i, _ in found)
-    return (f'it contracts several kernels ({names}); select the modules '
-            'that hold one kernel each')
-  index, c = found[0]
-  shape = tuple(node.var_inputs[index].aval.shape)
-  if c.kind == 'dot_general':
-    (lc, rc), _ = c.dimension_numbers
-    kc = (lc, rc)[c.kernel_side]
-    contracted = sorted(c.perm[a] for a in kc)
-    other = [v for v in range(len(shape)) if v not in contracted]
-    a_axes, b_axes = (*contracted, None), (None, *other)
-  else:
-    out = c.dimension_numbers.rhs_spec[0]
-    a_axes = (*(v for v in range(len(shape)) if v != out), None)
-    b_axes = (None, out)
-  size = lambda axes: tuple(rank if v is None else shape[v] for v in axes)
-  quant = node.params.get('quant')
-  quant = quant if quant in FORMATS else None
-  if c.scaled and quant is None:
-    return (f"its kernel {'/'.join(keys[index])} is multiplied by another "
-            'value before its contraction (a computed kernel that merge '
-            'could not update)')
-  return _Plan(c, keys[index], shape, size(a_axes), size(b_axes), a_axes,
-               b_axes, quant=quant)
-
-
-def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
-  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general."""
+def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int,
+                 stack: tuple = ()):
+  """einsum subscripts: (x, A, h, B, output, kernel) for a dot_general
+  (``stack``: kernel axes that lead both A and B)."""
   (lc, rc), (lb, rb) = c.dimension_numbers
   side = c.kernel_side
   kc, kb = (lc, rc)[side], (lb, rb)[side]
@@ -217,8 +128,10 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
     xs[xa] = op[ka]
   xs = [s or next(pool) for s in xs]
   contracted = sorted(c.perm[a] for a in kc)
-  a_sub = ''.join(var[v] for v in contracted) + 'r'
-  b_sub = 'r' + ''.join(var[v] for v in range(k_ndim) if v not in contracted)
+  lead = ''.join(var[v] for v in stack)
+  a_sub = lead + ''.join(var[v] for v in contracted) + 'r'
+  b_sub = lead + 'r' + ''.join(var[v] for v in range(k_ndim)
+                               if v not in contracted and v not in stack)
   h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + 'r'
   batch = ''.join(xs[i] for i in xb)
   x_free = ''.join(xs[i] for i in range(x_ndim) if i not in xc and i not in xb)
@@ -227,11 +140,12 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int):
   return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
 
 
-def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
+def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b, stack=()):
   """The change of the contraction's output for the kernel change
   ``A @ B``, computed without forming it: ``(x A) B``."""
   if c.kind == 'dot_general':
-    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim)
+    x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim,
+                                                      stack)
     h = jnp.einsum(f'{x_sub},{a_sub}->{h_sub}', x, a)
     return jnp.einsum(f'{h_sub},{b_sub}->{out}', h, b)
   params = dict(c.params)
@@ -244,17 +158,24 @@ def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b):
   return jnp.moveaxis(jnp.moveaxis(h, feature, -1) @ b, -1, feature)
 
 
-def _kernel_delta(plan: _Plan, a, b):
+def _kernel_delta(plan: _contraction.KernelPlan, a, b):
   """``A @ B`` in the kernel's shape (leading axes of a stacked kernel, as
-  ``nn.scan`` makes them, kept)."""
+  ``nn.scan`` makes them, kept; moved back where a transpose took them
+  from, see ``KernelPlan.source_perm``)."""
   c, n = plan.contraction, len(plan.kernel_shape)
   if c.kind == 'dot_general':
-    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim)
-    return jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
-  out = c.dimension_numbers.rhs_spec[0]
-  rest = 'abcdefghijklmnopq'[:n - 1]
-  flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
-  return jnp.moveaxis(flat, -1, flat.ndim - n + out)
+    _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim,
+                                                plan.stack)
+    delta = jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
+  else:
+    out = c.dimension_numbers.rhs_spec[0]
+    rest = 'abcdefghijklmnopq'[:n - 1]
+    flat = jnp.einsum(f'...{rest}r,...ro->...{rest}o', a, b)
+    delta = jnp.moveaxis(flat, -1, flat.ndim - n + out)
+  perm = plan.source_perm
+  if perm is not None and delta.ndim == len(perm):
+    delta = jnp.transpose(delta, np.argsort(perm))
+  return delta
 
 
 # The traced adapter is only read (its symbols are re-wired per node), so one
@@ -262,11 +183,11 @@ def _kernel_delta(plan: _Plan, a, b):
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
-                    x_aval, y_aval, dtype, scale):
+                    x_aval, y_aval, dtype, scale, stack=()):
   def adapter(y, x, a, b):
     for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(c, k_ndim, x.astype(dtype), a, b)
+    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack)
     delta = (scale * delta).astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
@@ -277,9 +198,9 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
       spec(a_shape, dtype), spec(b_shape, dtype))
 
 
-def _adapter_mox(plan: _Plan, x_aval, y_aval, dtype, scale):
+def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale):
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
-          plan.b_shape, x_aval, y_aval, dtype, scale)
+          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack)
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -288,7 +209,7 @@ def _adapter_mox(plan: _Plan, x_aval, y_aval, dtype, scale):
     return _traced_adapter.__wrapped__(*args)
 
 
-def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
+def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: float) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
   c = plan.contraction
   kernel = node.var_inputs[c.kernel_index]
@@ -301,29 +222,8 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
         'constants; it must be a function of (y, x, a, b) only')
   a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
   b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
-  # Wire the adapter's inputs (y, x, a, b) to the node's symbols.
-  y_in, x_in, a_in, b_in = non_literals(adapter.inputs)
-  wiring = {y_in: y, x_in: x, a_in: a, b_in: b}
-
-  def wired(sym):
-    if isinstance(sym, Literal):
-      return sym
-    if sym not in wiring:
-      raise SubstitutionError(
-          f'internal: the traced LoRA adapter reads {sym!r}, which is neither '
-          'one of its inputs nor computed by it')
-    return wiring[sym]
-
-  children = [node]
-  for eqn in adapter.children:
-    inputs = [wired(s) for s in eqn.inputs]
-    # The result has the module output's type, sharding included.
-    new_out = [Var(y.aval if s is adapter.outputs[0] else s.aval)
-               for s in eqn.outputs]
-    wiring.update(zip(eqn.outputs, new_out, strict=True))
-    children.append(eqn.replace(inputs=inputs, outputs=new_out))
-  out = wired(adapter.outputs[0])
-  a_name, b_name = plan.names
+  out = Var(y.aval)  # the module output's type, sharding included
+  children = [node, *inline(adapter, [y, x, a, b], [out])]
   if is_nnx(node):  # NNX: typed nnx.LoRAParam s next to the kernel
     rel, group, kind = (), NNX_GROUP, 'LoRAParam'
   else:
@@ -343,86 +243,6 @@ def _lora_template(node: Mox, plan: _Plan, rank: int, alpha: float) -> Mox:
              var_tree=var_tree)
 
 
-# ------------------------------------------------- where a kernel comes from
-
-def _kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
-  """(root key path of the kernel ``sym``, None) or (None, why it has
-  none)."""
-  chain = list(ancestors)
-  i = len(chain) - 1
-  while i >= 1:
-    body, eqn = chain[i], chain[i - 1]
-    if not isinstance(eqn, Equation):
-      i -= 1
-      continue
-    positions = [j for j, s in enumerate(body.inputs) if s is sym]
-    if not positions:
-      return None, f'computed inside the body of {describe(eqn)}'
-    index = [id(c) for c in eqn.children].index(id(body))
-    sym = _rules.body_input_sources(eqn, index)[positions[0]]
-    i -= 2
-  if sym in keypaths:
-    return keypaths[sym], None
-  if any(sym is c for c in chain[0].constvars):
-    return None, 'a constant captured by the trace'
-  return None, 'computed in the model'
-
-
-def kernel_holders(mox: Mox) -> dict:
-  """Parameter symbol -> the module calls that hold it as their own
-  parameter (several: a module called twice, Embed's lookup and attend, a
-  Param tied across NNX modules)."""
-  holders: dict = {}
-  for node in iter_nodes(mox):
-    if isinstance(node, Mox) and not node.is_ephemeral:
-      for keys, sym in zip(var_keys(node), node.var_inputs, strict=True):
-        if len(keys) == 2:
-          holders.setdefault(sym, []).append(node)
-  return holders
-
-
-def _xpath_string(text: str) -> str:
-  return f"'{text}'" if '"' in text else f'"{text}"'
-
-
-def _excluding(node: Mox, others=()) -> str:
-  """An XPath condition true exactly for ``node``'s call site(s); with
-  its method when ``others`` (the rest of the selection) holds a call of
-  another method at the same path (Embed's lookup next to its attend)."""
-  if node.path:
-    condition = f'@path={_xpath_string(_path_str(node))}'
-    if node.entrypoint and any(
-        o.path == node.path and o.entrypoint != node.entrypoint
-        for o in others if isinstance(o, Mox)):
-      condition += f' and @method={_xpath_string(node.entrypoint)}'
-    return condition
-  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
-  if node.name:
-    parts.append(f'@name={_xpath_string(node.name)}')
-  parts.append('string(@path)=""')
-  return ' and '.join(parts)
-
-
-def _hint(problems, selection, targets=()) -> str:
-  """The selection with a predicate that leaves the problem modules out."""
-  conditions = list(dict.fromkeys(
-      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
-          n, targets) for n, _, wrapped in problems))
-  if len(conditions) > 1:
-    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
-  predicate = f"[not({' or '.join(conditions)})]"
-  if isinstance(selection, str):
-    simple = '|' not in selection and not selection.rstrip().endswith(')')
-    fixed = (selection + predicate if simple
-             else f'({selection}){predicate}')
-    them = 'it' if len(problems) == 1 else 'them'
-    hint = f'Leave {them} out of the selection, e.g.:\n  {fixed}'
-  else:
-    hint = ('Leave them out of the node list, or select with an XPath such '
-            f'as:\n  //module_call[@type="Dense"]{predicate}')
-  return hint
-
-
 def _refuse(problems, chosen: Selection, selection):
   """One error for every module lora cannot adapt, with a way around."""
   lines = [f"  - {describe(n)}{f' (name {n.name!r})' if n.name else ''}: "
@@ -430,7 +250,8 @@ def _refuse(problems, chosen: Selection, selection):
   raise SubstitutionError(
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
-      '\n' + _hint(problems, selection, chosen.targets))
+      '\n' + leave_out_hint([(n, wrapped) for n, _, wrapped in problems],
+                             selection, chosen.targets))
 
 
 # ---------------------------------------------------------- argument checks
@@ -533,11 +354,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     if selection == _DEFAULT_SELECTION:
       selection = '//module_call[@type="Linear"]'
   chosen = select(selection, mox)
-  for node in chosen.targets:
-    if not isinstance(node, Mox) or node.is_ephemeral:
-      raise SubstitutionError(
-          f'lora selects module calls, but {chosen.description} matched '
-          f'{describe(node)}')
+  targets = _contraction.plan_kernels(chosen, 'lora', rank)
   prefix = collections.get(group)
   if prefix is not None and len(prefix) < 2:
     raise SubstitutionError(
@@ -551,16 +368,17 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         "a function that takes the parameters as an argument, e.g. "
         "make_mox(model.apply)(variables, x) or make_mox(model)(x, params=p)")
   _params_argument(mox, prefix, params)
-  keypaths = root_keypaths(mox)
+  keypaths = chosen.keypaths
   adapter_places = {kp for kp in keypaths.values()
                     if kp and _is_adapter_name(kp[-1])}
-  holders = kernel_holders(mox)
   problems, plans = [], {}
-  for node in chosen.targets:
+  for target in targets:
+    node, plan = target.node, target.plan
     ancestors = chosen.ancestors[id(node)]
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
                     and a.module_ty is LoRA), None)
-    held = sorted(n for n in _own_param_names(node) if _is_adapter_name(n))
+    held = sorted(n for n in _contraction.own_param_names(node)
+                  if _is_adapter_name(n))
     if node.module_ty is LoRA:
       problems.append((node, 'it is a LoRA adapter already', False))
       continue
@@ -573,19 +391,17 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       problems.append((node, 'it already carries an adapter (its params hold '
                        f'{held})', False))
       continue
-    plan = kernel_plan(node, rank)
-    if isinstance(plan, str):
-      problems.append((node, plan, False))
+    if plan is None:
+      problems.append((node, target.why, False))
       continue
     kernel = node.var_inputs[plan.contraction.kernel_index]
     method = node.entrypoint if node.entrypoint not in (None, '__call__') \
         else None
     names = (tuple(f'{method}_{n}' for n in _ADAPTER_NAMES) if method
              else _ADAPTER_NAMES)
-    keypath, why = _kernel_source(kernel, ancestors, keypaths)
+    keypath = target.keypath
     own_place = (*prefix, *node.path, *plan.kernel_keys[1:])
-    if keypath is not None and tuple(map(str, keypath)) == tuple(
-        map(str, own_place)):
+    if target.own:
       if any(p[:-1] == keypath[:-1] and p[-1] in (
           *names, *(f'{plan.kernel_name}_{n}' for n in names))
              for p in adapter_places):
@@ -599,8 +415,8 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     # A head applied through a nested Module.apply with a kernel it does
     # not own (a tied embedding, transposed): its adapter sits at the call
     # site, under the calling module's path and the head's name.
-    found = (f'the traced argument {_arg_str(keypath)}' if why is None
-             else why)
+    found = (f'the traced argument {_arg_str(keypath)}' if keypath is not None
+             else target.source)
     caller = next((a for a in reversed(ancestors) if isinstance(a, Mox)
                    and not a.is_ephemeral), None)
     if node.path or not node.name or caller is None:
@@ -610,8 +426,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'kernel in the params tree', False))
       continue
     place = (*caller.path, node.name)
-    if any(tuple(map(str, kp[:len(prefix) + len(place)])) == tuple(
-        map(str, (*prefix, *place))) for kp in keypaths.values()):
+    if any(_contraction.same_place(kp[:len(prefix) + len(place)],
+                                   (*prefix, *place))
+           for kp in keypaths.values()):
       problems.append((
           node, f'its kernel {kernel.type_str} is {found}; its call-site '
           f'adapter would go to {_arg_str((*prefix, *place))}, which holds '
@@ -625,19 +442,16 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   # A kernel read by a call that does not carry the same adapter (an
   # embedding lookup next to Embed.attend, a Param shared by two NNX
   # modules): the adapter sits at this call site and is never merged.
-  for node in chosen.targets:
+  holders = _contraction.kernel_holders(mox)
+  for target in targets:
+    node = target.node
     plan = plans[id(node)]
     if plan.tied is not None:
       continue
-    kernel = node.var_inputs[plan.contraction.kernel_index]
-    inside_node = {id(n) for n in iter_nodes(node)}
-    above = {id(a) for a in chosen.ancestors[id(node)]}
     others = [
-        h for h in holders.get(kernel, ())
-        if id(h) not in inside_node and id(h) not in above
-        and not (id(h) in plans and plans[id(h)].place == plan.place
-                 and plans[id(h)].names == plan.names)
-        and _contraction.reads(h, kernel)]
+        h for h in _contraction.other_readers(holders, chosen, target)
+        if not (id(h) in plans and plans[id(h)].place == plan.place
+                and plans[id(h)].names == plan.names)]
     if others:
       plans[id(node)] = dataclasses.replace(plan, tied=(
           'its kernel is also read by ' + ', '.join(sorted(
@@ -704,6 +518,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     removed), in ``trained``'s container types."""
     tied = [(path, plan) for (path, _), plan in merges if plan.tied]
     if tied:
+      heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
       raise SubstitutionError(
           'merge: ' + '; '.join(
               f"the adapter at params"
@@ -712,8 +527,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
               f'{plan.tied}' for path, plan in tied) +
           '. Merged into that kernel it would change every other reader '
           'too, so a tied head could no longer be tied: keep the adapters '
-          '(run res.mox with the trained params), or leave these modules '
-          'out of the selection to get mergeable adapters')
+          '(run res.mox with the trained params), or adapt the other '
+          'modules only to get mergeable adapters.\n' + leave_out_hint(
+              heads, selection, chosen.targets))
     out = trained
     for (module_path, names), plan in merges:
       keys = (*inside, *module_path)
@@ -733,7 +549,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         scale_name = f'{plan.kernel_name}_scale'
         kernel = dequantize_array(kernel, unboxed(get_in(
             out, (*keys, scale_name))), plan.quant, a.dtype,
-            tuple(v for v in plan.a_axes if v is not None))
+            plan.contracted)
         drop = (*names, scale_name)
       delta = _kernel_delta(plan, a, b)
       if tuple(delta.shape) != tuple(kernel.shape):
@@ -756,38 +572,13 @@ def _get_or_none(tree, keys):
     return None
 
 
-def with_argument_structure(root: Mox, where: tuple, value) -> Mox:
-  """``root`` expecting, at argument ``where`` (``(0, position)`` or
-  ``(1, name)``), the structure of ``value``: the adapters in the boxes
-  (``nn.Partitioned``, NNX Variables with metadata) ``lora`` returns them
-  in. The leaves and their order are unchanged."""
-  args, kwargs = jtu.tree_unflatten(root.in_tree, root.inputs)
-  holder = list(args) if where[0] == 0 else dict(kwargs)
-  leaves = jtu.tree_leaves(holder[where[1]],
-                           is_leaf=lambda s: isinstance(s, Symbol))
-  structure = jtu.tree_structure(value)
-  if structure.num_leaves != len(leaves):
-    raise SubstitutionError(
-        f'internal: lora returns params with {structure.num_leaves} arrays '
-        f'but the rewritten tree reads {len(leaves)}')
-  holder[where[1]] = jtu.tree_unflatten(structure, leaves)
-  if where[0] == 0:
-    args = type(args)(holder) if isinstance(args, tuple) else holder
-  else:
-    kwargs = holder
-  inputs, in_tree = jtu.tree_flatten((args, kwargs),
-                                     is_leaf=lambda s: isinstance(s, Symbol))
-  if inputs != list(root.inputs):
-    raise SubstitutionError(
-        'internal: giving the adapters their boxes reordered the inputs')
-  return root.replace(in_tree=in_tree)
-
-
-def _adapter_axis_names(names, plan: _Plan, is_a: bool):
+def _adapter_axis_names(names, plan: _contraction.KernelPlan, is_a: bool):
   """Per-axis names (or mesh axes) of an adapter, from its kernel's: ``A``
   the contracted axes' then None, ``B`` None then the other axes'; leading
   names of a stacked kernel lead both. None if they do not fit."""
   names = tuple(names)
+  if plan.source_perm is not None and len(names) == len(plan.source_perm):
+    names = tuple(names[p] for p in plan.source_perm)  # as scanned
   n_stack = len(names) - len(plan.kernel_shape)
   if n_stack < 0:
     return None
@@ -796,7 +587,7 @@ def _adapter_axis_names(names, plan: _Plan, is_a: bool):
       None if v is None else names[n_stack + v] for v in axes)
 
 
-def _adapter_value(kernel, plan: _Plan, is_a: bool, shape, dtype, rng):
+def _adapter_value(kernel, plan: _contraction.KernelPlan, is_a: bool, shape, dtype, rng):
   """The initial adapter (``A`` random, ``B`` zero): an abstract
   ``ShapeDtypeStruct`` for an abstract kernel (nothing materialised), else
   an array; sharded over the kernel's mesh like the kernel's axes."""
@@ -813,15 +604,15 @@ def _adapter_value(kernel, plan: _Plan, is_a: bool, shape, dtype, rng):
   if isinstance(kernel, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   if is_a:
-    fan_in = math.prod(plan.a_shape[:-1])
-    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
+    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(
+        plan.fan_in)
   else:
     host = np.zeros(shape, np.float32)
   host = host.astype(dtype)
   return jax.device_put(host, sharding) if sharding else jax.device_put(host)
 
 
-def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
+def _adapter_box(kernel, plan: _contraction.KernelPlan, is_a: bool, is_nnx: bool):
   """How an adapter is held, from how its kernel is: NNX adapters are
   ``nnx.LoRAParam`` s; a kernel with axis names (Linen ``nn.Partitioned``,
   ``nn.LogicallyPartitioned``; NNX sharding metadata) gives its adapters
@@ -842,20 +633,6 @@ def _adapter_box(kernel, plan: _Plan, is_a: bool, is_nnx: bool):
     new = adapter_names(names)
     return lambda v: kernel.replace(value=v, names=new)
   return lambda v: v
-
-
-def unboxed(x):
-  """The array in a params leaf (an NNX Variable holds one)."""
-  leaves = jtu.tree_leaves(x)
-  return leaves[0] if len(leaves) == 1 and leaves[0] is not x else x
-
-
-def boxed_like(like, value):
-  """``value`` in the container ``like`` came in (an NNX Variable keeps its
-  type and metadata, sharding included)."""
-  if unboxed(like) is like:
-    return value
-  return jtu.tree_unflatten(jtu.tree_structure(like), [value])
 
 
 def _arg_str(keypath) -> str:

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +44,7 @@ from yax import _containers
 from yax._errors import YaxError
 from yax._calls import is_traced_value, marked_call, recording
 from yax._compat import nnx_is_node_type, nnx_node_items
-from yax._variables import (VariableTree, is_variable_treedef, key_name,
+from yax._variables import (VariableTree, key_name,
                             variable_treedef)
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -323,6 +324,9 @@ class _Context:
     # [(path prefix, GraphArgument or nnx.State)] among the traced
     # arguments (see ``_model_prefixes``), read by ``sources``.
     self.containers: list = []
+    # [(Linen path, NNX class)] of the Linen ``ToLinen`` calls running (see
+    # ``bridged``), innermost last.
+    self.bridges: list = []
 
   def register(self, root, prefix: tuple, tag: bool = False) -> None:
     """Gives every module under ``root`` not seen yet its first path.
@@ -365,6 +369,20 @@ class _Context:
         path = ('<closure>', f'{name}_{k}')
     self.register(module, path, tag=self._created_by_trace(module))
     return self.paths[id(module)]
+
+  def _bridged_path(self, module) -> bool:
+    """Inside a ``ToLinen`` call: whether ``module`` has a path, giving it
+    one if it is the bridged model (an instance of the bridge's NNX class
+    called after construction): the Linen module's path, so that each
+    submodule's path is the path of its variables in the Linen variables
+    (``ToLinen`` keeps the NNX state there as is, per collection)."""
+    if id(module) in self.paths or _TAG in vars(module):
+      return True
+    path, cls = self.bridges[-1]
+    if not isinstance(module, cls) or _constructing(module):
+      return False
+    self.register(module, path, tag=True)
+    return True
 
   def _created_by_trace(self, module) -> bool:
     """True when every variable of ``module`` holds a tracer: a module
@@ -473,6 +491,11 @@ class _Context:
     if not recording() or (top is not None and top[0] is module
                            and top[1] == name):
       return fn(module, *args, **kwargs)  # not recording, or a super() call
+    if self.bridges and not self._bridged_path(module):
+      # A module that a Linen ``ToLinen`` is still building (its
+      # constructor calls helper methods): not yet the bridged model, and
+      # its variables are initial values that the call then replaces.
+      return fn(module, *args, **kwargs)
     path = self.path_of(module)
     params = self.params.get(id(module))
     if params is None:
@@ -573,6 +596,14 @@ def variable_like(kind: str, value, like, **changes):
   ``like`` (a Variable) updated by ``changes``, built without sharding a
   value (its ``eager_sharding`` flag is kept as metadata)."""
   meta = {**_metadata(like), **changes}
+  # ``like`` may carry its axis names under several keys (MaxText's Params:
+  # ``out_sharding`` and its deprecated alias ``sharding_names``); a new
+  # name goes under every one of them, or Flax would let the stale alias
+  # win over it.
+  named = [changes[k] for k in SHARDING_KEYS if k in changes]
+  aliases = [k for k in SHARDING_KEYS if k in meta]
+  if named:
+    meta.update((k, named[0]) for k in aliases)
   eager = meta.pop('eager_sharding', None)
   cls = variable_type(kind)
   try:
@@ -581,6 +612,9 @@ def variable_like(kind: str, value, like, **changes):
     proto = cls(np.zeros((), np.float32), eager_sharding=False, **meta)
     if eager is not None:
       proto.set_metadata(eager_sharding=eager)
+    if len(aliases) > 1:  # the constructor folded the aliases: kept, as on
+      proto = cls.from_metadata(proto[...], {  # the kernel
+          **proto.get_metadata(), **{k: meta[k] for k in aliases}})
   except Exception as e:  # noqa: BLE001 - reported, never dropped
     # Why not fall back to a bare Variable: the adapter would silently lose
     # the kernel's sharding and the merged state would not fit the tree.
@@ -722,12 +756,69 @@ def _split_arguments(args, kwargs) -> tuple[list, Any, bool]:
     # No graph node stopped the flatten: these are the plain leaves.
     return leaves, treedef, False
   nodes = tuple(leaves[i] for i in positions)
-  graphdef, state = _pytree_split(nodes) or nnx.split(nodes)
+  hidden = _HiddenCaches()
+  try:
+    graphdef, state = (_pytree_split(nodes, hidden)
+                       or _nnx_split(nodes, hidden))
+  finally:
+    hidden.restore()
   leaves = list(leaves)
   for k, i in enumerate(positions):
     sub = state[k] if k in state else nnx.State({})
     leaves[i] = GraphArgument(graphdef, k, sub)
   return (*jtu.tree_flatten(jtu.tree_unflatten(treedef, leaves)), True)
+
+
+class _HiddenCaches:
+  """Values that ``functools.cached_property`` attributes stored in modules'
+  instance dicts, taken out while the graph arguments are split and put
+  back after.
+
+  A cache is no part of a model's structure: the first call of an EasyDeL
+  model caches its RoPE table (an nnx Variable) in a static attribute, so
+  with it in the split a tree traced before that call would refuse the
+  model from the second step on (as would one traced after it, the model
+  before). Split without them, the traced copies compute the cache as a
+  first call does (a state update, applied as the call applies it), and
+  ``eval_mox`` accepts the model with or without it."""
+
+  __slots__ = ('taken',)
+
+  def __init__(self):
+    self.taken: list = []
+
+  def hide(self, module) -> None:
+    names = _cached_names(type(module))
+    if names:
+      attrs = vars(module)
+      self.taken += [(attrs, name, attrs.pop(name)) for name in names
+                     if name in attrs]
+
+  def restore(self) -> None:
+    for attrs, name, value in reversed(self.taken):
+      attrs[name] = value
+    self.taken.clear()
+
+
+_CACHED_NAMES: dict[type, tuple] = {}
+
+
+def _cached_names(ty: type) -> tuple:
+  """The ``functools.cached_property`` attributes of module class ``ty``."""
+  names = _CACHED_NAMES.get(ty)
+  if names is None:
+    names = _CACHED_NAMES[ty] = tuple(sorted({
+        name for cls in ty.__mro__ for name, attr in vars(cls).items()
+        if isinstance(attr, functools.cached_property)}))
+  return names
+
+
+def _nnx_split(nodes: tuple, hidden: _HiddenCaches):
+  """``nnx.split(nodes)`` with the modules' caches hidden."""
+  for _, node, kind in graph_nodes(nodes):
+    if kind == _MODULE:
+      hidden.hide(node)
+  return nnx.split(nodes)
 
 
 class PytreeGraph:
@@ -750,7 +841,8 @@ class PytreeGraph:
     return f'PytreeGraph({self.treedef})'
 
 
-def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
+def _pytree_split(nodes: tuple, hidden: _HiddenCaches | None = None
+                  ) -> tuple[PytreeGraph, Any] | None:
   """``(PytreeGraph, state)`` for graph nodes that JAX's pytree flatten
   splits as ``nnx.split`` does, at a fraction of its cost (Flax modules
   are pytrees): the state is ``nnx.split``'s (every Variable at its path, in
@@ -767,6 +859,8 @@ def _pytree_split(nodes: tuple) -> tuple[PytreeGraph, Any] | None:
     if kind == _VARIABLE or kind == _MODULE or is_graph_node(x):
       shared = shared or id(x) in seen
       seen.add(id(x))
+      if kind == _MODULE and hidden is not None:
+        hidden.hide(x)  # (before the flatten reads its attributes)
     return kind == _VARIABLE
 
   try:
@@ -808,12 +902,84 @@ def apply_updates(result, args, kwargs):
     return result
   leaves = jtu.tree_leaves((args, kwargs), is_leaf=is_graph_node)
   nodes = [x for x in leaves if is_graph_node(x)]
+  if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(
+      result.updates)):  # (replayed under a transformation)
+    result.updates = tuple(_without_traced_caches(node, u)
+                           for node, u in zip(nodes, result.updates))
   if len(nodes) > 1:  # apply all at once: shared variables live in one place
     nnx.update(tuple(nodes), nnx.State(
         {k: u for k, u in enumerate(result.updates) if len(u)}))
   elif nodes and len(result.updates[0]):
     nnx.update(nodes[0], result.updates[0])
   return result.output
+
+
+def _constructing(module) -> bool:
+  """Whether ``module.__init__`` is still running (on this thread's stack):
+  its submodules may not all exist yet. Looked up once per module that a
+  ``ToLinen`` bridge builds, so walking the frames costs little."""
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code.co_name == '__init__' and \
+        frame.f_locals.get('self') is module:
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _without_traced_caches(node, update):
+  """``update`` (the state updates of graph node ``node``) less the caches
+  computed in a transformation: a ``functools.cached_property`` value
+  holding a tracer would outlive its trace (plain NNX leaks it there, and
+  fails on the next call). The next replay computes the cache again, as
+  the trace splits models without their caches (``_HiddenCaches``)."""
+  names = _cached_names(type(node)) if _node_kind(
+      type(node)) == _MODULE else ()
+  children = None
+  kept = {}
+  for key, value in update.items():
+    if key in names and _is_variable(value) and any(
+        isinstance(x, jax.core.Tracer) for x in _value_leaves(value)):
+      continue
+    if isinstance(value, Mapping):  # the updates of a child node
+      if children is None:
+        children = dict(nnx_node_items(node))
+      child = children.get(key)
+      if child is not None:
+        value = _without_traced_caches(child, value)
+    kept[key] = value
+  return nnx.State(kept)
+
+
+def bridged_class(module) -> type | None:
+  """The NNX class behind a Linen module that runs an NNX model as Linen
+  (Flax's ``nnx.bridge.ToLinen``, or a copy of it such as MaxText's, told by
+  its ``nnx_class`` field), else None."""
+  if 'nnx_class' not in getattr(type(module), '__dataclass_fields__', ()):
+    return None
+  cls = module.nnx_class
+  while isinstance(cls, functools.partial):
+    cls = cls.func
+  if nnx is not None and isinstance(cls, type) and issubclass(cls,
+                                                               nnx.Module):
+    return cls
+  return None
+
+
+def bridged(path: tuple, nnx_class: type, fn):
+  """``fn`` (the call of a ``ToLinen`` module at Linen path ``path``) with
+  the NNX model it builds and calls, an instance of ``nnx_class``, placed
+  at ``path`` (see ``_Context._bridged_path``)."""
+  def call(*args, **kwargs):
+    ctx = getattr(_local, 'ctx', None)
+    if ctx is None:
+      return fn(*args, **kwargs)
+    ctx.bridges.append((path, nnx_class))
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ctx.bridges.pop()
+  return call
 
 
 class TraceScope:

@@ -248,6 +248,9 @@ class _Trace:
         raise PatternError(
             f'{what} contains a {e.prim.name} equation whose body calls Flax '
             'modules; patterns are plain functions on arrays')
+    # Connected (refused here, before any search: a tree with no candidate
+    # for its anchor would never plan a walk).
+    self.plan(0)
 
   def signature(self) -> tuple:
     return _avals_key([s.aval for s in self.inputs])

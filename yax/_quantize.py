@@ -16,6 +16,7 @@ gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -24,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
-from yax import _contraction, _lora, _nnx
+from yax import _contraction, _nnx
+from yax._arguments import boxed_like, unboxed, with_argument_structure
 from yax._formats import (FORMATS, dequantize_array, quantize_array,
                           scale_shape)
 from yax._containers import get_in, set_in, set_many, without
 from yax._errors import SubstitutionError
-from yax._ir import Equation, Literal, Mox, Symbol, Var
-from yax._sub import (collections_of, describe, non_literals, root_keypaths,
-                      select, substitute)
+from yax._ir import Equation, Mox, Var
+from yax._sub import describe, inline, leave_out_hint, select, substitute
 from yax._variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._trace import make_mox
 
@@ -80,11 +81,6 @@ def _nbytes(tree) -> int:
   return int(math.ceil(total))
 
 
-def _contracted_axes(plan) -> tuple:
-  """Kernel axes reduced by a per-output-channel scale."""
-  return tuple(v for v in plan.a_axes if v is not None)
-
-
 def _traced(fn, *specs):
   """The equations of ``fn`` traced at ``specs`` (an ephemeral root)."""
   return make_mox(fn)(*(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
@@ -131,7 +127,7 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   c = plan.contraction
   index = c.kernel_index if kernel_index is None else kernel_index
   kernel = node.var_inputs[index]
-  contracted = _contracted_axes(plan)
+  contracted = plan.contracted
   shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
   scale_name = f'{plan.kernel_name}_scale'
   if mode == 'qat':
@@ -148,18 +144,7 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
                    jax.ShapeDtypeStruct(shape, q_dtype),
                    jax.ShapeDtypeStruct(s_shape, jnp.float32))
     extra = [(scale_name, scale)]
-  inputs = non_literals(root.inputs)
-  wiring = dict(zip(inputs, [stored] + [v for _, v in extra], strict=True))
-  wiring.update((v, v) for v in root.constvars)  # NF4's levels
-  children = []
-  for eqn in root.children:
-    ins = [s if isinstance(s, Literal) else wiring[s] for s in eqn.inputs]
-    outs = [kernel if s is root.outputs[0] else Var(s.aval)
-            for s in eqn.outputs]
-    wiring.update(zip(eqn.outputs, outs, strict=True))
-    children.append(eqn.replace(inputs=ins, outputs=outs))
-  if not children:  # nothing to compute: cannot happen for these formats
-    raise SubstitutionError('internal: an empty dequantization')
+  children = inline(root, [stored, *(v for _, v in extra)], [kernel])
   var_inputs = [stored if i == index else s
                 for i, s in enumerate(node.var_inputs)]
   group, kind = ((NNX_GROUP, 'Param') if is_nnx(node)
@@ -167,21 +152,16 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   var_inputs, var_tree = with_variables(node, var_inputs, [
       VarEntry(group, kind, (name,), True, True, sym) for name, sym in extra])
   arg_inputs = list(node.arg_inputs)
+  constvars, consts = list(root.constvars), list(root.consts)
   if act is not None:  # the input, quantized per row before the body
     x = node.inputs[c.x_index]
     x_in = Var(x.aval)
     act_root = _traced(lambda v: _act_quant(v, act, _x_axes(c)),
                        jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype))
-    act_wiring = {non_literals(act_root.inputs)[0]: x_in}
-    act_children = []
-    for eqn in act_root.children:
-      ins = [s if isinstance(s, Literal) else act_wiring[s]
-             for s in eqn.inputs]
-      outs = [x if s is act_root.outputs[0] else Var(s.aval)
-              for s in eqn.outputs]
-      act_wiring.update(zip(eqn.outputs, outs, strict=True))
-      act_children.append(eqn.replace(inputs=ins, outputs=outs))
+    act_children = inline(act_root, [x_in], [x])
     children = act_children + children
+    constvars += act_root.constvars
+    consts += act_root.consts
     arg_inputs = [x_in if s is x else s for s in arg_inputs]
   call = Mox(var_inputs + arg_inputs, list(node.outputs),
              {**node.params, 'quant': fmt if mode == 'ptq' else f'{fmt}-qat'},
@@ -190,7 +170,7 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=var_tree)
   return Mox(call.inputs, call.outputs, {}, children=[call],
-             constvars=root.constvars, consts=root.consts)
+             constvars=constvars, consts=consts)
 
 
 def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
@@ -244,19 +224,15 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
         f'quantize: tile must be a positive int (elements of the contracted '
         f'axes per scale) or None (one scale per output channel); found '
         f'{tile!r}')
-  collections = collections_of(mox)
-  group = NNX_GROUP if NNX_GROUP in collections else 'params'
-  prefix = collections.get(group)
+  chosen = select(selection, mox)
+  group = NNX_GROUP if NNX_GROUP in chosen.collections else 'params'
+  prefix = chosen.collections.get(group)
   if prefix is None or len(prefix) < 2:
     raise SubstitutionError(
         "quantize needs the parameters in one argument of the traced "
         "function, e.g. make_mox(model.apply)(variables, x) or the NNX split "
         "form make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)")
-  inside = tuple(prefix[2:])
-  chosen = select(selection, mox)
-  keypaths = root_keypaths(mox)
-  plans, problems = {}, []
-  equations = {}
+  equations, modules, problems = {}, [], []
   for node in chosen.targets:
     if isinstance(node, Equation) and node.prim.name == 'dot_general':
       if act is None:
@@ -265,28 +241,28 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                          "act='fp8'"))
       else:
         equations[id(node)] = _equation_template(node, act)
-      continue
-    if not isinstance(node, Mox) or node.is_ephemeral:
-      raise SubstitutionError(
-          f'quantize selects module calls and dot_general equations, but '
-          f'{chosen.description} matched {describe(node)}')
-    if any(isinstance(a, Equation) for a in chosen.ancestors[id(node)]):
-      problems.append((node, 'it runs inside the body of a lifted transform '
-                       '(nn.scan, nn.remat, jit ...), which quantize does not '
-                       'reach yet'))
-      continue
-    plan = _lora.kernel_plan(node, 1)
-    if isinstance(plan, str):
-      problems.append((node, plan))
+    else:
+      modules.append(node)
+  targets = _contraction.plan_kernels(
+      dataclasses.replace(chosen, targets=tuple(modules)), 'quantize')
+  plans = {}
+  for target in targets:
+    node, plan = target.node, target.plan
+    if plan is None:
+      problems.append((node, target.why))
       continue
     kernel = node.var_inputs[plan.contraction.kernel_index]
-    place = (*prefix, *node.path, plan.kernel_name)
-    if tuple(map(str, keypaths.get(kernel, ()))) != tuple(map(str, place)):
+    if not target.own:
       problems.append((node, f'its kernel {kernel.type_str} is not the '
                        'parameter at its own path (a tied or computed '
                        'kernel)'))
       continue
-    size = math.prod(plan.kernel_shape[i] for i in _contracted_axes(plan))
+    if plan.source_perm is not None:
+      problems.append((node, f'its kernel {kernel.type_str} is a slice of a '
+                       'stacked param whose axes a transpose moved before '
+                       'the scan, which quantize does not follow yet'))
+      continue
+    size = math.prod(plan.kernel_shape[i] for i in plan.contracted)
     if tile is not None and size % tile:
       problems.append((node, f'tile={tile} does not divide the {size} '
                        'contracted elements of its kernel '
@@ -303,24 +279,22 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     raise SubstitutionError(
         f'quantize cannot quantize {len(problems)} of the '
         f'{len(chosen.targets)} module calls selected by '
-        f'{chosen.description}:\n{lines}')
+        f'{chosen.description}:\n{lines}\n' + leave_out_hint(
+            [(n, False) for n, _ in problems], selection, chosen.targets))
   # Every reader of a quantized kernel reads it quantized: another call
   # of the same module (Embed's lookup next to its attend) dequantizes the
   # same table; any other reader must be selected too.
   selected = {id(n) for n in chosen.targets}
   readers = {}  # id -> (reader, plan, kernel index)
-  holders = _lora.kernel_holders(mox)
-  for node in chosen.targets:
-    if id(node) in equations:
-      continue
-    kernel = node.var_inputs[plans[id(node)].contraction.kernel_index]
-    for other in (h for h in holders.get(kernel, ())
-                  if _contraction.reads(h, kernel)):
-      if id(other) in selected or any(
-          other is a for a in chosen.ancestors[id(node)]):
+  holders = _contraction.kernel_holders(mox)
+  for target in targets:
+    node = target.node
+    kernel = node.var_inputs[target.plan.contraction.kernel_index]
+    for other in _contraction.other_readers(holders, chosen, target):
+      if id(other) in selected:
         continue
       if other.path == node.path and other.module_ty is node.module_ty:
-        readers[id(other)] = (other, plans[id(node)],
+        readers[id(other)] = (other, target.plan,
                               other.var_inputs.index(kernel))
         continue
       raise SubstitutionError(
@@ -340,46 +314,83 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     return _template(node, plans[id(node)], weight, mode, act, None, tile)
 
   done = substitute(chosen, make, mox, retype=(mode == 'ptq'))
-  modules = [n for n in chosen.targets if id(n) in plans]
-  paths = sorted({tuple(n.path) for n in modules})
+  paths = sorted({tuple(t.node.path) for t in targets})
   if mode == 'qat':
     return QuantizeResult(done.mox, params, paths,
                           (_nbytes(params), _nbytes(params)), lambda p: p)
-  values, seen = [], set()
-  for node in modules:
-    plan = plans[id(node)]
-    keys = (*inside, *node.path)
-    if keys in seen:
-      continue
-    seen.add(keys)
-    boxed = get_in(params, (*keys, plan.kernel_name))
-    q, scale = quantize_array(_lora.unboxed(boxed), weight,
-                              _contracted_axes(plan), tile)
-    values.append(((*keys, plan.kernel_name), _lora.boxed_like(boxed, q)))
-    scale_value = scale if group != NNX_GROUP else _nnx.variable_holding(
-        'Param', scale)
-    values.append(((*keys, f'{plan.kernel_name}_scale'), scale_value))
+  # The new params are where the rewrite put them: each kernel the tree
+  # now reads quantized (per slice of a stacked kernel), its scale next to
+  # it.
+  where = prefix[:2]  # the argument that holds the params
+  plan_at = {t.keypath: t.plan for t in targets}
+  added = {(*done.collections[loc[0]], *loc[1:]): var
+           for loc, var in done.added.items()}
+  values, stored = [], {}
+  for keypath, var in sorted(done.retyped.items(), key=lambda kv: str(kv[0])):
+    plan = plan_at[keypath]
+    scale_path = (*keypath[:-1], f'{plan.kernel_name}_scale')
+    if scale_path not in added:
+      raise SubstitutionError(
+          f'internal: quantize stored {keypath} quantized but placed no '
+          f'scale at {scale_path}')
+    keys = keypath[len(where):]
+    boxed = get_in(params, keys)
+    kernel = unboxed(boxed)
+    stack = var.aval.ndim - len(plan.kernel_shape)
+    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    values.append((keys, boxed_like(boxed, q)))
+    values.append((scale_path[len(where):], scale if group != NNX_GROUP
+                   else _nnx.variable_holding('Param', scale)))
+    stored[keys] = _Stored(plan.kernel_name, plan.contracted, stack,
+                           jnp.dtype(kernel.dtype))
   new_params = set_many(params, values)
-  new_mox = _lora.with_argument_structure(done.mox, prefix[:2], new_params)
-  quantized = {(*inside, *n.path): plans[id(n)] for n in modules}
+  new_mox = with_argument_structure(done.mox, where, new_params)
+  return QuantizeResult(
+      new_mox, new_params, paths, (_nbytes(params), _nbytes(new_params)),
+      functools.partial(dequantize, stored=stored, weight=weight))
 
-  def dequantize(p):
-    """Float params for the original tree: each kernel dequantized, its
-    scale removed (containers and Variable metadata kept)."""
-    out = p
-    for keys, plan in sorted(quantized.items()):
-      module = get_in(out, keys)
-      boxed = get_in(out, (*keys, plan.kernel_name))
-      scale = _lora.unboxed(get_in(out, (*keys, f'{plan.kernel_name}_scale')))
-      kernel = dequantize_array(_lora.unboxed(boxed), scale, weight,
-                                plan_dtype[keys], _contracted_axes(plan))
-      out = set_in(out, keys, set_in(
-          without(module, (f'{plan.kernel_name}_scale',)),
-          (plan.kernel_name,), _lora.boxed_like(boxed, kernel)))
-    return out
 
-  plan_dtype = {(*inside, *n.path): n.var_inputs[
-      plans[id(n)].contraction.kernel_index].aval.dtype
-                for n in modules}
-  return QuantizeResult(new_mox, new_params, paths,
-                        (_nbytes(params), _nbytes(new_params)), dequantize)
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+  """How one kernel is stored quantized: its name, the axes its scales
+  reduce, how many leading axes stack it (``nn.scan``) and its float
+  dtype."""
+  name: str
+  contracted: tuple
+  stack: int
+  dtype: Any
+
+
+def _per_slice(fn, stack: int):
+  """``fn`` applied to each slice of ``stack`` leading axes."""
+  for _ in range(stack):
+    fn = jax.vmap(fn)
+  return fn
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  """``quantize_array`` per slice, compiled once per kernel shape: run op
+  by op, each of its operations would compile for every new shape."""
+  return _per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                    stack)(kernel)
+
+
+def dequantize(params, *, stored: dict, weight: str):
+  """Float params for the tree ``quantize`` started from: each kernel of
+  ``stored`` (key path in ``params`` -> :class:`_Stored`) dequantized and
+  its scale removed, containers and Variable metadata kept."""
+  out = params
+  for keys, kernel in sorted(stored.items(), key=lambda kv: str(kv[0])):
+    scale_name = f'{kernel.name}_scale'
+    module = get_in(out, keys[:-1])
+    boxed = get_in(out, keys)
+    scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
+    value = _per_slice(functools.partial(
+        dequantize_array, fmt=weight, dtype=kernel.dtype,
+        contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
+    out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),
+                                        (kernel.name,),
+                                        boxed_like(boxed, value)))
+  return out

@@ -33,7 +33,7 @@ import numpy as np
 
 from yax._errors import SubstitutionError
 from yax._ir import Equation, Mox, iter_nodes
-from yax._lora import kernel_plan
+from yax._contraction import kernel_plan
 from yax._sub import describe, non_literals, select, substitute
 from yax._trace import make_mox
 
@@ -209,6 +209,13 @@ def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
     eqn = _contraction_equation(node, plan)
     if isinstance(eqn, str):
       problems.append((node, eqn))
+      continue
+    side_x = 1 - plan.contraction.kernel_side
+    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+    if not _free_axes(eqn.inputs[side_x].aval.ndim, (lc, rc)[side_x],
+                      (lb, rb)[side_x]):
+      problems.append((node, 'its input has no position that is not '
+                       'contracted (one row): there is nothing to sketch'))
       continue
     sites.append((eqn, plan.contraction.kernel_side))
   if problems:

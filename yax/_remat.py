@@ -110,6 +110,11 @@ def _name_equation(sym: Symbol, name: str) -> tuple[Equation, Var]:
 
 # ---------------------------------------------------------- the new body
 
+class Remat:
+  """The type of a rematerialized call that was no longer one Flax
+  module's call (a rewrite that added variables or inputs, such as
+  ``lora`` or ``quantize``, made it ephemeral): only its path is left."""
+
 class _BodyCopy:
   """A copy of a call's body with fresh symbols (a closed body of its own)
   and a ``checkpoint_name`` after each output of a node to save."""
@@ -212,6 +217,10 @@ def remat_template(node: Mox, policy_fn, label: str,
                  source_info=sample.source_info, ctx=sample.ctx)
   by_old = dict(zip(dynamic_outs, outs))
   outputs = [by_old.get(s, s) for s in node.outputs]
+  if node.is_ephemeral:  # a module again, so the engine wires its variables
+    return node.replace(children=[eqn], outputs=outputs, module_ty=Remat,
+                        entrypoint='__call__',
+                        params={'name': node.path[-1], 'remat': label})
   return node.replace(children=[eqn], outputs=outputs,
                       params={**node.params, 'remat': label})
 
@@ -275,11 +284,13 @@ def remat(mox: Mox, selection, *, policy=None, save=None) -> Mox:
   policy_fn, label = resolve_policy(policy)
   chosen = select(selection, mox)
   for target in chosen.targets:
-    if not isinstance(target, Mox) or target.is_ephemeral:
+    if not isinstance(target, Mox) or (target.is_ephemeral and
+                                       not target.path):
       raise SubstitutionError(
           f'remat: the selection {chosen.description} matched '
           f'{describe(target)}; remat applies to module calls, e.g. '
-          '//module_call[@type="Block"]')
+          '//module_call[@type="Block"] (or, after lora or quantize, '
+          '//module_call[@path="block0"])')
   saves = _save_targets(save, mox, chosen.targets)
   if saves:
     label = f'{label}+save' if policy is not None else 'save'

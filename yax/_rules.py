@@ -25,6 +25,7 @@ import jax
 from jax.extend import core as jex
 
 from yax import _lower
+from yax._compat import scan_num_consts, scan_params_with_inputs
 from yax._errors import SubstitutionError, YaxError
 from yax._ir import Equation, Mox, Var
 
@@ -187,7 +188,7 @@ def _thread_scan(eqn, inputs, bodies, params, needed):
   ``variable_axes={'params': 0}``) is a new scanned input of shape
   ``[length, *shape]``; otherwise a new loop constant."""
   (body,) = bodies
-  num_consts, length = params['num_consts'], params['length']
+  num_consts, length = scan_num_consts(params), params['length']
   is_const = [n.sibling is not None and n.sibling < num_consts or
               isinstance(n.key, ConstKey) for n in needed]
   consts = [n for n, c in zip(needed, is_const, strict=True) if c]
@@ -200,11 +201,7 @@ def _thread_scan(eqn, inputs, bodies, params, needed):
                               *b_in[num_consts:], *(n.inner for n in xs)])
   inputs = [*inputs[:num_consts], *(v for _, v in outer_c),
             *inputs[num_consts:], *(v for _, v in outer_x)]
-  params = dict(params, num_consts=num_consts + len(consts))
-  if 'linear' in params:  # dropped from scan in newer JAX
-    lin = list(params['linear'])
-    params['linear'] = (*lin[:num_consts], *[False] * len(consts),
-                        *lin[num_consts:], *[False] * len(xs))
+  params = scan_params_with_inputs(params, len(consts), len(xs))
   return Threaded(inputs, [body], params, outer_c + outer_x)
 
 
@@ -315,9 +312,9 @@ INPUT_RULES: dict[str, Callable[[Equation, int], list]] = {
 }
 
 
-def body_input_sources(eqn: Equation, index: int) -> list:
-  """For each input of body ``index`` of ``eqn``, the equation input (a
-  symbol of the enclosing scope) that it receives."""
+def body_input_positions(eqn: Equation, index: int) -> list[int]:
+  """For each input of body ``index`` of ``eqn``, the position of the
+  equation input that it receives."""
   rule = INPUT_RULES.get(eqn.prim.name)
   if rule is None:
     raise YaxError(
@@ -331,4 +328,10 @@ def body_input_sources(eqn: Equation, index: int) -> list:
         f'{eqn.prim.name}: body {eqn.body_keys[index]!r} has '
         f'{len(body.inputs)} inputs, which do not match the equation\'s '
         f'{len(eqn.inputs)} inputs')
-  return [eqn.inputs[p] for p in positions]
+  return positions
+
+
+def body_input_sources(eqn: Equation, index: int) -> list:
+  """For each input of body ``index`` of ``eqn``, the equation input (a
+  symbol of the enclosing scope) that it receives."""
+  return [eqn.inputs[p] for p in body_input_positions(eqn, index)]

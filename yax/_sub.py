@@ -22,8 +22,10 @@ unchanged subtrees are shared between the old and the new tree.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
-from typing import Any, Callable, Sequence, Union
+import weakref
+from typing import Callable, Sequence, Union
 
 import jax
 from jax import tree_util as jtu
@@ -85,6 +87,83 @@ def non_literals(symbols) -> list[Symbol]:
   return [s for s in symbols if not isinstance(s, Literal)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """Where a tree's variables sit in its root arguments, found once per
+  tree (:func:`locate`).
+
+  Attributes:
+    keypaths: root input symbol -> its key path in ``(args, kwargs)``.
+    locs: variable location ``(collection, *module path, *name)`` -> the
+      root-scope symbol that module calls read it as.
+    collections: collection -> the key path prefix it sits under
+      (``(0, 0, 'params')`` for ``model.apply(variables, x)``).
+    used_paths: every module path in use (calls and variable places).
+  """
+  keypaths: dict
+  locs: dict
+  collections: dict
+  used_paths: frozenset
+
+
+_located: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def locate(root: Mox) -> Located:
+  """The :class:`Located` facts of ``root`` (cached: trees are
+  immutable)."""
+  found = _located.get(root)
+  if found is None:
+    found = _locate(root)
+    _located[root] = found
+  return found
+
+
+def _locate(root: Mox) -> Located:
+  keypaths = root_keypaths(root)
+  locs: dict[Loc, Symbol] = {}
+  prefix: dict[str, tuple] = {}
+  # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
+  # input stands for the equation input it receives (``alias``).
+  stack = [(c, {}) for c in root.children]
+  # Where each collection sits: the prefix most variables agree on (the
+  # root call of a nested Module.apply reads weights of another module
+  # under a path of its own: it must not decide).
+  votes: dict[str, collections.Counter] = {}
+  all_locs: set = set()
+  while stack:
+    node, alias = stack.pop()
+    if isinstance(node, Equation):
+      for index, body in enumerate(node.children):
+        outer = _rules.body_input_sources(node, index)
+        inner = {b: alias.get(o, o)
+                 for b, o in zip(body.inputs, outer, strict=True)}
+        stack.extend((c, {**alias, **inner}) for c in body.children)
+      continue
+    stack.extend((c, alias) for c in node.children)
+    if node.is_ephemeral:
+      continue
+    for loc, sym in _var_locs(node):
+      all_locs.add(loc)
+      keypath = keypaths.get(alias.get(sym, sym))
+      if keypath is None:
+        continue  # not read from the arguments (computed inside fn)
+      if not alias:  # a symbol of the root scope
+        locs.setdefault(loc, sym)
+      tail = tuple(loc[1:])
+      if len(keypath) > len(tail) and tuple(
+          str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
+        votes.setdefault(loc[0], collections.Counter())[
+            tuple(keypath[:len(keypath) - len(tail)])] += 1
+  used_paths = {tuple(n.path) for n in iter_nodes(root)
+                if isinstance(n, Mox) and not n.is_ephemeral}
+  for loc in all_locs:
+    used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
+  for collection, counts in votes.items():
+    prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+  return Located(keypaths, locs, prefix, frozenset(used_paths))
+
+
 @dataclasses.dataclass
 class _Frame:
   """An enclosing module call being rebuilt; collects what propagates up."""
@@ -127,58 +206,36 @@ class _Substitution:
     self.ren: dict[Symbol, Symbol] = {}
     self.stack: list[_Frame] = []
     self.added: dict[Loc, Var] = {}  # new variables by location
+    self.retyped: dict[tuple, Var] = {}  # by root key path, once finished
     # NNX: the Variable type of each new variable, by location.
     self.kinds: dict[Loc, str] = {}
+    self._read: set | None = None
     # Per enclosing module call: how many sites of each replacement type.
     self.site_counts: dict[int, dict[str, int]] = {}
-    self._index_root()
+    found = locate(root)
+    self.keypaths, self.locs = found.keypaths, found.locs
+    self.prefix, self.used_paths = found.collections, found.used_paths
 
-  # -- where variables live in the root arguments
-
-  def _index_root(self):
-    root = self.root
-    self.keypaths = root_keypaths(root)
-    self.locs: dict[Loc, Symbol] = {}
-    self.prefix: dict[str, tuple] = {}  # collection -> root keypath prefix
-    # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
-    # input stands for the equation input it receives (``alias``).
-    stack = [(c, {}) for c in root.children]
-    # Where each collection sits: the prefix most variables agree on (the
-    # root call of a nested Module.apply reads weights of another module
-    # under a path of its own: it must not decide).
-    votes: dict[str, collections.Counter] = {}
-    all_locs: set = set()
-    while stack:
-      node, alias = stack.pop()
-      if isinstance(node, Equation):
-        for index, body in enumerate(node.children):
-          outer = _rules.body_input_sources(node, index)
-          inner = {b: alias.get(o, o) for b, o in zip(body.inputs, outer)}
-          stack.extend((c, {**alias, **inner}) for c in body.children)
-        continue
-      stack.extend((c, alias) for c in node.children)
-      if node.is_ephemeral:
-        continue
-      for loc, sym in _var_locs(node):
-        all_locs.add(loc)
-        keypath = self.keypaths.get(alias.get(sym, sym))
-        if keypath is None:
-          continue  # not read from the arguments (computed inside fn)
-        if not alias:  # a symbol of the root scope
-          self.locs.setdefault(loc, sym)
-        tail = tuple(loc[1:])
-        if len(keypath) > len(tail) and tuple(
-            str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-          votes.setdefault(loc[0], collections.Counter())[
-              tuple(keypath[:len(keypath) - len(tail)])] += 1
-
-    # Every module path in use: module calls and where variables sit.
-    self.used_paths = {tuple(n.path) for n in iter_nodes(root)
-                       if isinstance(n, Mox) and not n.is_ephemeral}
-    for loc in all_locs:
-      self.used_paths.update(tuple(loc[1:i]) for i in range(2, len(loc)))
-    for collection, counts in votes.items():
-      self.prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
+  def collection_prefix(self, collection: str) -> tuple | None:
+    """Where ``collection`` sits in the root arguments, or where a rewrite
+    creates it (a replacement may bring the first variable of a collection
+    the arguments lack): next to another collection (``args[0]
+    ['batch_stats']`` gives ``args[0]['params']``), else in a first
+    argument that is an empty mapping (what ``Module.init`` gives a
+    parameter-free Linen model). None when there is no such place."""
+    found = self.prefix.get(collection)
+    if found is not None or collection == NNX_GROUP:
+      return found
+    for other, prefix in self.prefix.items():
+      if prefix and prefix[-1] == other:
+        return (*prefix[:-1], collection)
+    if self.root.in_tree is None:
+      return None
+    args, _ = jtu.tree_unflatten(self.root.in_tree,
+                                 range(len(self.root.inputs)))
+    if args and isinstance(args[0], collections.abc.Mapping) and not args[0]:
+      return (0, 0, collection)
+    return None
 
   # -- the walk
 
@@ -276,11 +333,13 @@ class _Substitution:
       return eqn.replace(inputs=inputs)
     where = _where(eqn, self.enclosing_path())
     bodies, needed, const_values = [], [], {}
-    for index, (body, form) in enumerate(zip(eqn.children, eqn.body_forms)):
+    for index, (body, form) in enumerate(
+        zip(eqn.children, eqn.body_forms, strict=True)):
       frame = _Frame(body, [], [], is_body=True)
       self.stack.append(frame)
       children = self.rebuild_children(body.children)
       self.stack.pop()
+      body = self._retype_body_inputs(eqn, index, body, inputs)
       if frame.new_args:
         raise SubstitutionError(
             f'the replacement inside the body of {where} needs '
@@ -339,6 +398,35 @@ class _Substitution:
     if inputs == eqn.inputs and _same_nodes(bodies, eqn.children):
       return eqn
     return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
+
+  def _retype_body_inputs(self, eqn: Equation, index: int, body: Mox,
+                          inputs: list) -> Mox:
+    """A body input that a replacement inside retyped (a kernel stored
+    quantized) makes the equation input it receives retyped too: same
+    shape (stacked, for a scan), the new dtype. ``inputs`` (the
+    equation's, renamed) is updated in place."""
+    if not self.retype or not any(s in self.ren for s in body.inputs):
+      return body
+    positions = _rules.body_input_positions(eqn, index)
+    new_inputs = []
+    for sym, pos in zip(body.inputs, positions, strict=True):
+      new = self.ren.get(sym)
+      if new is None:
+        new_inputs.append(sym)
+        continue
+      outer = eqn.inputs[pos]
+      renamed = self.ren.get(outer)
+      if renamed is None:
+        renamed = Var(outer.aval.update(dtype=new.aval.dtype))
+        self.ren[outer] = renamed
+      elif renamed.aval.dtype != new.aval.dtype:
+        raise SubstitutionError(
+            f'cannot substitute inside {_where(eqn, self.enclosing_path())}: '
+            f'its input {pos} is read as {renamed.type_str} and as '
+            f'{new.type_str} by two replacements')
+      inputs[pos] = renamed
+      new_inputs.append(new)
+    return body.replace(inputs=new_inputs)
 
   def _sibling_position(self, body: Mox, loc) -> int | None:
     """Position among the body inputs of a variable in the same module."""
@@ -473,7 +561,9 @@ class _Substitution:
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
     for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
-      if not _same_type(old, new):
+      if not _same_type(old, new) and not (
+          self.retype and not any(f.is_body for f in self.stack)
+          and old not in self.read_symbols()):
         raise SubstitutionError(
             f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
@@ -531,8 +621,12 @@ class _Substitution:
       if existing is None and body is not None:
         existing = dict(body.new_vars).get(loc) or dict(new_vars).get(loc)
       elif existing is None:
-        existing = self.locs.get(loc) or self.added.get(loc) or dict(
-            new_vars).get(loc)
+        existing = self.locs.get(loc) or dict(new_vars).get(loc)
+        if existing is None and loc in self.added:
+          # New at another site of this rewrite (a module called twice):
+          # the calls around this site list it too.
+          existing = self.added[loc]
+          new_vars.append((loc, existing))
       if existing is not None:
         if not _same_type(existing, sym) and self.retype and \
             keys in own and existing is own[keys]:
@@ -548,7 +642,7 @@ class _Substitution:
               'replacement module another name')
         wiring[sym] = existing
         continue
-      if keys[0] not in self.prefix:
+      if self.collection_prefix(keys[0]) is None:
         raise SubstitutionError(
             f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
@@ -558,6 +652,11 @@ class _Substitution:
       new_vars.append((loc, fresh))
       if loc[0] == NNX_GROUP:
         self.kinds[loc] = var_kind(template, template.var_inputs.index(sym))[0]
+
+  def read_symbols(self) -> set:
+    if self._read is None:
+      self._read = read_symbols(self.root)
+    return self._read
 
   # -- the root
 
@@ -572,7 +671,7 @@ class _Substitution:
         if loc in seen:
           continue
         seen.add(loc)
-        prefix = self.prefix[loc[0]]
+        prefix = self.collection_prefix(loc[0])
         value = sym
         if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
@@ -590,6 +689,10 @@ class _Substitution:
         placeholders = (args, {**kwargs, **frame.named})
       inputs, in_tree = jtu.tree_flatten(
           placeholders, is_leaf=lambda x: isinstance(x, Symbol))
+    # Variables read in another type now (quantized kernels), by key path.
+    self.retyped = {self.keypaths[old]: new for old, new in zip(
+        root.inputs, (self.rename(s) for s in root.inputs), strict=True)
+                    if new is not old and old in self.keypaths}
     outputs = [self.rename(s) for s in root.outputs]
     constvars = list(root.constvars) + [v for v, _ in frame.new_consts]
     consts = list(root.consts) + [c for _, c in frame.new_consts]
@@ -610,12 +713,15 @@ def _unwrap_traced_module(root: Mox):
 
 
 class _Copier:
-  """Copies a replacement with fresh symbols, wired through ``wiring``."""
+  """Copies a replacement with fresh symbols, wired through ``wiring``;
+  ``fixed`` names the symbol a copy defines in place of a fresh one."""
 
-  def __init__(self, wiring: dict, node: Expr, where: str = ''):
+  def __init__(self, wiring: dict, node: Expr, where: str = '',
+               fixed: dict | None = None):
     self.map = dict(wiring)
     self.node = node
     self.where = where or _where(node)
+    self.fixed = {} if fixed is None else fixed
 
   def read(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
@@ -632,7 +738,9 @@ class _Copier:
   def define(self, sym: Symbol) -> Symbol:
     if isinstance(sym, Literal):
       return sym
-    new = Var(sym.aval, dropped=sym.dropped)
+    new = self.fixed.pop(sym, None)
+    if new is None:
+      new = Var(sym.aval, dropped=sym.dropped)
     self.map[sym] = new
     return new
 
@@ -640,7 +748,8 @@ class _Copier:
     if isinstance(expr, Equation):
       inputs = [self.read(s) for s in expr.inputs]
       # Bodies of sub-jaxprs are closed: copy them with their own symbols.
-      bodies = [_Copier({}, self.node, self.where).copy_closed(b) for b in expr.children]
+      bodies = [_Copier({}, self.node, self.where).copy_closed(b)
+                for b in expr.children]
       outputs = [self.define(s) for s in expr.outputs]
       return expr.replace(inputs=inputs, outputs=outputs, children=bodies)
     inputs = [self.read(s) for s in expr.inputs]
@@ -653,6 +762,35 @@ class _Copier:
       self.define(s)
     return self.copy(body).replace(
         constvars=[self.map[s] for s in body.constvars])
+
+
+def inline(traced: Mox, inputs, outputs=None) -> list[Expr]:
+  """The nodes of ``traced`` (the root of ``make_mox(f)(...)``), copied
+  with fresh symbols to be spliced into another scope: they read
+  ``inputs`` where ``traced`` reads its non-literal inputs, and its
+  constants as the same symbols (whoever splices them keeps
+  ``traced.constvars``/``consts`` in scope). With ``outputs``, the copies
+  define those symbols where ``traced`` defines its outputs (each output
+  must be computed by ``traced``, not one of its inputs)."""
+  params = non_literals(traced.inputs)
+  if len(params) != len(inputs):
+    raise SubstitutionError(
+        f'internal: a traced function of {len(params)} inputs spliced with '
+        f'{len(inputs)}')
+  wiring = dict(zip(params, inputs, strict=True))
+  wiring.update((v, v) for v in traced.constvars)
+  fixed = {}
+  if outputs is not None:
+    fixed = {old: new for old, new in zip(traced.outputs, outputs,
+                                          strict=True)
+             if not isinstance(old, Literal)}
+  copier = _Copier(wiring, traced, 'a traced function', fixed)
+  nodes = [copier.copy(c) for c in traced.children]
+  if copier.fixed:
+    raise SubstitutionError(
+        f'internal: {len(copier.fixed)} outputs of a spliced function are '
+        'not computed by it')
+  return nodes
 
 
 def describe(item) -> str:
@@ -669,6 +807,52 @@ def describe(item) -> str:
   if len(text) > 80:
     text = text[:77] + '...'
   return f'a {type(item).__name__} ({text})'
+
+
+def _xpath_string(text: str) -> str:
+  return f"'{text}'" if '"' in text else f'"{text}"'
+
+
+def _excluding(node: Expr, others=()) -> str:
+  """An XPath condition true exactly for ``node``'s call site(s); with
+  its method when ``others`` (the rest of the selection) holds a call of
+  another method at the same path (Embed's lookup next to its attend). A
+  call without a path (a head run by a nested ``Module.apply``) is named
+  by its type and name at an empty path; an equation by its primitive."""
+  if isinstance(node, Equation):
+    return f'self::{node.prim.name}'
+  if node.path:
+    condition = f"@path={_xpath_string('/'.join(node.path))}"
+    if node.entrypoint and any(
+        o.path == node.path and o.entrypoint != node.entrypoint
+        for o in others if isinstance(o, Mox)):
+      condition += f' and @method={_xpath_string(node.entrypoint)}'
+    return condition
+  parts = [f'@type={_xpath_string(node.type_name)}'] if node.type_name else []
+  if node.name:
+    parts.append(f'@name={_xpath_string(node.name)}')
+  parts.append('string(@path)=""')
+  return ' and '.join(parts)
+
+
+def leave_out_hint(problems, selection, targets=()) -> str:
+  """How a refusal ends: ``selection`` with a predicate that leaves out
+  the refused nodes (``problems``: ``(node, wrapped)``, wrapped for a node
+  inside a LoRA call), as ONE XPath on the last line."""
+  conditions = list(dict.fromkeys(
+      'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
+          n, targets) for n, wrapped in problems))
+  if len(conditions) > 1:
+    conditions = [f'({c})' if ' and ' in c else c for c in conditions]
+  predicate = f"[not({' or '.join(conditions)})]"
+  if isinstance(selection, str):
+    simple = '|' not in selection and not selection.rstrip().endswith(')')
+    fixed = (selection + predicate if simple
+             else f'({selection}){predicate}')
+    them = 'it' if len(problems) == 1 else 'them'
+    return f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  return ('Leave them out of the node list, or select with an XPath such '
+          f'as:\n  //module_call[@type="Dense"]{predicate}')
 
 
 def _describe_selection(selection) -> str:
@@ -694,6 +878,16 @@ class Selection:
   targets: tuple
   ancestors: dict
   description: str
+
+  @property
+  def keypaths(self) -> dict:
+    """Root input symbol -> its key path in ``(args, kwargs)``."""
+    return locate(self.root).keypaths
+
+  @property
+  def collections(self) -> dict:
+    """Collection -> the key path prefix it sits under."""
+    return locate(self.root).collections
 
 
 def select(selection, mox: Mox) -> Selection:
@@ -817,11 +1011,22 @@ class Rewrite:
       ``collection -> key path prefix`` (``(0, 0, 'params')`` for
       ``model.apply(variables, x)``, ``(1, 'params')`` for HF style
       ``model(x, params=p)``).
+    retyped: the variables the new tree reads in another type (``retype``:
+      a kernel stored quantized), by key path in the root arguments, as
+      the root's new inputs (stacked, for a variable of a scan body).
   """
   mox: Mox
   replaced: tuple
   added: dict
   collections: dict
+  retyped: dict = dataclasses.field(default_factory=dict)
+
+
+def read_symbols(root: Mox) -> set:
+  """Every symbol some equation or call under ``root`` reads (a call's
+  output that none reads is only returned: its type may change)."""
+  return {s for n in iter_nodes(root) if n is not root for s in n.inputs
+          if not isinstance(s, Literal)}
 
 
 def collections_of(mox: Mox) -> dict:
@@ -831,7 +1036,7 @@ def collections_of(mox: Mox) -> dict:
   ``{'params': (0, 0, 'params')}`` for ``make_mox(model.apply)(variables,
   x)``; what :attr:`Rewrite.collections` reports, without rewriting.
   """
-  return dict(_Substitution(mox, (), None).prefix)
+  return dict(locate(mox).collections)
 
 
 def substitute(selection, repl: Replacement, mox: Mox, *,
@@ -859,7 +1064,7 @@ def substitute(selection, repl: Replacement, mox: Mox, *,
   new = run.run()
   run.check_visits(chosen)
   return Rewrite(new, tuple(run.replaced), dict(run.added),
-                 dict(run.prefix))
+                 dict(run.prefix), dict(run.retyped))
 
 
 def sub(selection, repl: Replacement, mox: Mox) -> Mox:

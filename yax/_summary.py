@@ -10,11 +10,12 @@ Everything is computed from the tree itself, without running the model:
 * **variables**: the module's *own* variables (not its submodules') with
   their types, ``kernel: f32[64,64]``; collections other than ``params`` are
   prefixed (``batch_stats/mean: f32[3]``).
-* **params**: own (the module's own ``params`` leaves) and total (including
-  submodules, as Flax counts a module's variables). A Linen param whose
-  value is a dict counts as the module's own (shown ``p/a: f32[3]``),
-  although the tracer does not list it among the call's inputs (see
-  :class:`UnlistedVariables`).
+* **params**: total (every ``params`` leaf the call reads, its submodules'
+  and those of modules it reaches through its arguments included: see
+  :class:`ParamReads`) and own (those no row below it reads: the module's
+  own, and a never-called submodule's that it reads straight from it), so
+  each parameter is the own parameter of one row. A Linen param whose
+  value is a dict counts as the module's own (shown ``p/a: f32[3]``).
 * **FLOPs**: every equation of the call (submodules included), by the rule
   table of :mod:`yax._flops`: matmuls, convolutions and element-wise work.
 * A call of another method of the *same* module instance from inside one of
@@ -40,6 +41,7 @@ from jax.extend import core as jex
 from yax import _flops, _lower
 from yax._lower import dynamic, to_jaxpr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
+from yax._variables import var_entries
 
 PARAMS = 'params'
 
@@ -111,20 +113,22 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
 
 def own_variables(mox: Mox) -> dict[str, dict[str, Symbol]]:
   """``{collection: {name: symbol}}`` of the module's own variables: the
-  leaves directly under each collection (submodules are sub-dicts)."""
+  leaves directly under each collection, and the leaves of a variable whose
+  value is a dict (``'p/a'``); sub-dicts where a module call inside sits
+  are its submodules'."""
   from yax import _nnx
   if isinstance(mox, Mox) and _nnx.var_kinds(mox) is not None:
     return _nnx.own_variables(mox)  # NNX: by Variable type, as nnx.state
-  tree = _var_tree(mox)
-  if tree is None:
+  if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
+  n = len(mox.path)
+  inner = {tuple(c.path[n:n + 1]) for c in module_calls(mox)
+           if c is not mox and tuple(c.path[:n]) == tuple(mox.path)}
   out: dict[str, dict[str, Symbol]] = {}
-  for collection, sub in tree.items():
-    if not hasattr(sub, 'items'):
-      continue
-    own = {str(k): v for k, v in sub.items() if isinstance(v, Symbol)}
-    if own:
-      out[str(collection)] = own
+  for entry in var_entries(mox):
+    if len(entry.rel_path) > 1 and entry.rel_path[:1] in inner:
+      continue  # a submodule's
+    out.setdefault(entry.group, {})['/'.join(entry.rel_path)] = entry.symbol
   return out
 
 
@@ -150,130 +154,47 @@ def param_count(mox: Mox) -> int:
 
 
 def total_params(mox: Mox) -> tuple[int, int]:
-  """(count, bytes) of the ``params`` read by the outermost module calls.
-
-  A module's variables include its submodules', so only module calls that
-  are not inside another module call are counted, and each variable once
-  (a module called twice shares them). A tree without module calls has none.
-  """
+  """(count, bytes) of the ``params`` read by the outermost module calls
+  (see :class:`ParamReads`), each variable once (a module called twice
+  shares them). A tree without module calls has none."""
+  reads = ParamReads()
   seen: dict[int, Symbol] = {}
-  unlisted = UnlistedVariables(mox)
   for node in outermost_calls(mox):
-    for s in variable_groups(node).get(PARAMS, ()):
-      seen[id(s)] = s
-    for s in unlisted.groups(node).get(PARAMS, ()):
-      seen[id(s)] = s
+    seen.update(reads.of(node))
   return count(seen.values())
 
 
-class UnlistedVariables:
-  """Linen variables that module calls read but do not list among their
-  inputs, found by where they sit in the traced function's arguments.
+class ParamReads:
+  """The ``params`` each module call reads: those it lists among its
+  variable inputs, and those of every module call in its body.
 
-  The tracer cannot tell a Linen variable whose value is a dict
-  (``self.param('p', lambda k: {'a': ..., 'b': ...})``) from a submodule
-  scope, so such leaves are not variable inputs of the module call: its
-  body reads them straight from the arguments. Their place in the
-  arguments says which module they belong to: the key path of a listed
-  variable gives the prefix in front of each collection (``args[0]
-  ['params']`` for ``model.apply``, the ``params`` keyword of an HF model),
-  and every other argument leaf under that prefix is a variable at
-  ``(collection, *module path, *name)``. A row counts such a variable when
-  its call reads it and it sits under the row's path; it is the module's
-  own when no module call of the tree sits at its first name.
-
-  NNX calls list every variable they read and are left alone.
+  A module call lists what its body reads, but a call inside it can read
+  variables it does not list: an NNX module passed as an argument to
+  another module's method (MaxText's ``self.decoder(shared_embedding=
+  self.token_embedder, ...)``) is called inside the caller, its variables
+  reached through the argument, not the caller's own graph. Counting the
+  calls inside puts them in the caller's total and the model's.
   """
 
-  def __init__(self, root: Expr):
-    self.loc: dict[Symbol, tuple[str, ...]] = {}
-    self.paths: set[tuple] = set()
-    self.listed: set[Symbol] = set()
-    self._reads: dict[int, set] = {}
-    if not isinstance(root, Mox):
-      return
-    try:
-      from yax._sub import root_keypaths, var_keys
-      keypaths = root_keypaths(root)
-    except Exception:  # noqa: BLE001 - not a root: no arguments to search
-      return
-    from yax import _nnx
-    prefix: dict[str, tuple] = {}
-    for node in module_calls(root):
-      self.paths.add(tuple(node.path))
-      if node.num_vars == 0:
-        continue
-      if _nnx.var_kinds(node) is not None:
-        return  # an NNX tree: its calls list what they read
-      for keys, sym in zip(var_keys(node), node.var_inputs):
-        self.listed.add(sym)
-        kp = keypaths.get(sym)
-        tail = (*node.path, *keys[1:])
-        if kp is None or len(kp) <= len(tail):
-          continue
-        if tuple(str(k) for k in kp[len(kp) - len(tail):]) == tail:
-          prefix.setdefault(keys[0], tuple(kp[:len(kp) - len(tail)]))
-    if PARAMS not in prefix and self.paths:
-      # No call lists a param (a module whose only param is a dict): the
-      # collection is the first ``params`` key of an argument's key path.
-      for kp in keypaths.values():
-        if PARAMS in kp:
-          prefix[PARAMS] = tuple(kp[:kp.index(PARAMS) + 1])
-          break
-    if not prefix:
-      return
-    for sym, kp in keypaths.items():
-      if sym in self.listed or isinstance(sym, Literal):
-        continue
-      for col, pre in prefix.items():
-        if len(kp) > len(pre) and tuple(kp[:len(pre)]) == pre:
-          self.loc[sym] = (col, *(str(k) for k in kp[len(pre):]))
-          break
+  _NONE: dict = {}
 
-  def _read_by(self, node: Mox) -> set:
-    """Symbols a call reads: its inputs and its body's, through the module
-    calls in it (a body held by an equation reads through the equation's
-    inputs)."""
-    out = self._reads.get(id(node))
-    if out is None:
-      out = set()
-      stack = [node]
-      while stack:
-        n = stack.pop()
-        out.update(n.inputs)
-        if isinstance(n, Mox):
-          stack.extend(n.children)
-      self._reads[id(node)] = out
-    return out
+  def __init__(self):
+    self._memo: dict[int, dict[int, Symbol]] = {}
 
-  def of(self, node: Mox) -> list[tuple[tuple[str, ...], Symbol]]:
-    """``(location, symbol)`` of the unlisted variables ``node`` reads
-    under its own path, in argument order."""
-    if not self.loc or not isinstance(node, Mox):
-      return []
-    n = len(node.path)
-    reads = self._read_by(node)
-    listed = set(node.var_inputs)
-    return [(loc, sym) for sym, loc in self.loc.items()
-            if sym in reads and sym not in listed
-            and tuple(loc[1:1 + n]) == tuple(node.path) and len(loc) > n + 1]
-
-  def groups(self, node: Mox) -> dict[str, list[Symbol]]:
-    out: dict[str, list[Symbol]] = {}
-    for loc, sym in self.of(node):
-      out.setdefault(loc[0], []).append(sym)
-    return out
-
-  def own(self, node: Mox) -> dict[str, dict[str, Symbol]]:
-    """``{collection: {'p/a': symbol}}``: unlisted variables of the module
-    itself (not under a module call's path)."""
-    out: dict[str, dict[str, Symbol]] = {}
-    n = len(node.path)
-    for loc, sym in self.of(node):
-      if (*node.path, loc[1 + n]) in self.paths:
-        continue  # a submodule's, counted in its row too
-      out.setdefault(loc[0], {})['/'.join(loc[1 + n:])] = sym
-    return out
+  def of(self, node: Expr) -> dict[int, Symbol]:
+    """``{id: symbol}`` of the params read by ``node`` and the calls in it
+    (in the order first read). Do not change the dict returned."""
+    got = self._memo.get(id(node))
+    if got is not None:
+      return got
+    got = {}
+    if isinstance(node, Mox):
+      for s in variable_groups(node).get(PARAMS, ()):
+        got[id(s)] = s
+    for child in node.children:
+      got.update(self.of(child))
+    self._memo[id(node)] = got = got or self._NONE
+    return got
 
 
 def outermost_calls(mox: Expr) -> Iterator[Mox]:
@@ -491,7 +412,7 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   module doc).
   """
   out: list[SummaryRow] = []
-  unlisted = UnlistedVariables(mox)
+  reads = ParamReads()
 
   def visit(node: Expr, level: int, owner: Mox | None):
     if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
@@ -502,21 +423,23 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
       if depth is not None and level > depth:
         return
       groups = variable_groups(node)
-      for col, syms in unlisted.groups(node).items():  # dict-valued params
-        groups[col] = [*groups.get(col, ()), *syms]
-      n, nbytes = count(groups.pop(PARAMS, ()))
-      extra_own = unlisted.own(node)
-      own = {**own_variables(node).get(PARAMS, {}),
-             **extra_own.get(PARAMS, {})}
-      texts = variable_texts(node) + [
-          f"{'' if col == PARAMS else col + '/'}{k}: {s.type_str}"
-          for col, vs in extra_own.items() for k, s in vs.items()]
+      groups.pop(PARAMS, None)
+      read = reads.of(node)
+      n, nbytes = count(read.values())
+      # Own: the params no row below reads (a submodule's kernel read
+      # straight from it, as MoE experts inside a shard_map, is the
+      # reader's own when the submodule is never called).
+      below: dict[int, Symbol] = {}
+      for row in _rows_below(node):
+        below.update(reads.of(row))
+      own_params = count(s for k, s in read.items() if k not in below)[0]
+      texts = variable_texts(node)
       out.append(SummaryRow(
           path='/'.join(node.path), module=node.type_name or '',
           method=node.entrypoint or '__call__', depth=level,
           inputs=tuple(input_texts(node)), outputs=tuple(output_texts(node)),
           variables=tuple(texts),
-          own_params=count(own.values())[0], params=n, param_bytes=nbytes,
+          own_params=own_params, params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
           flops=flops(node), node=node, dtype=compute_dtype(node)))
       level, owner = level + 1, node
@@ -525,6 +448,20 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
 
   visit(mox, 0, None)
   return out
+
+
+def _rows_below(node: Mox) -> list[Mox]:
+  """The module calls in ``node``'s body that have rows of their own (the
+  nearest ones; helper calls of ``node`` are folded into its row)."""
+  rows, stack = [], list(node.children)
+  while stack:
+    child = stack.pop()
+    if (isinstance(child, Mox) and (not child.is_ephemeral or _is_group(child))
+        and not _is_helper(child, node)):
+      rows.append(child)
+    else:
+      stack.extend(child.children)
+  return rows
 
 
 def compute_dtype(node: Mox) -> str:

@@ -35,8 +35,10 @@ from jax.extend import core as jex
 
 from yax import _calls, _lower, _markers, _nnx, _rules
 from yax._calls import CallRecord, is_traced_value, marked_call
+from yax._compat import linen_variable_names
 from yax._errors import TraceError, TraceWarning
 from yax._ir import Equation, Literal, Mox, Symbol, Var
+from yax._variables import is_variable_treedef
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -91,10 +93,55 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
     # has no variables and no scope path; it is recorded by nothing, and
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
-  var_leaves, var_tree = tree_flatten(own_variables(module))
+  path = tuple(module.path)
+  bridged = _nnx.bridged_class(module)
+  if bridged is not None:
+    # Flax's ToLinen: an NNX model built and run inside this call, its
+    # whole state in this module's variables (nested dicts are the NNX
+    # attribute paths, not submodule scopes: ToLinen has no submodules).
+    var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
+    next_fun = _nnx.bridged(path, bridged, next_fun)
+  else:
+    var_leaves, var_tree = tree_flatten(own_variables(module))
   return marked_call(type(module), context.method_name, module_fields(module),
-                     tuple(module.path), var_leaves, var_tree, next_fun, args,
-                     kwargs)
+                     path, var_leaves, var_tree, next_fun, args, kwargs,
+                     after=None if bridged is not None else
+                     lambda record: _dict_variables(record, module))
+
+
+def _dict_variables(record: CallRecord, module: nn.Module) -> None:
+  """Records the module's variables whose values are dicts, which
+  ``own_variables`` could not tell from submodule scopes before the call:
+  the call has reserved them now. Each leaf must be a root input (a
+  parameter passed to the traced function); others stay unlisted."""
+  found = []
+  variables = None
+  for col, name in linen_variable_names(module.scope):
+    if variables is None:
+      variables = module.variables
+    value = variables.get(col, {}).get(name)
+    if not isinstance(value, Mapping):
+      continue
+    leaves, tree = tree_flatten(value)
+    refs = _calls.root_positions(leaves)
+    if leaves and refs is not None:
+      found.append((col, name, tree, refs))
+  if found:
+    record.dict_vars = tuple(found)
+
+
+def _traced_only(tree):
+  """The nested dicts of ``tree`` with only their traced leaves (metadata
+  boxes such as ``nn.LogicallyPartitioned`` kept around them)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      value = _traced_only(value)
+      if value:
+        out[key] = value
+    elif all(map(is_traced_value, jax.tree_util.tree_leaves(value))):
+      out[key] = value
+  return out
 
 
 # Every trace runs with this JAX user context set. JAX keys its tracing,
@@ -118,7 +165,8 @@ def own_variables(module: nn.Module) -> dict:
   tree builder gives each module call its submodules' variables from the
   calls it contains). Only arrays and tracers count: Python values stored
   in a collection are not traced. A variable whose value is itself a dict
-  is indistinguishable from a submodule scope and is left out as well.
+  is indistinguishable from a submodule scope here and is left out as well:
+  the call records it when it returns (``_dict_variables``).
   """
   own = {}
   for col, values in module.variables.items():
@@ -242,6 +290,34 @@ def opened(eqn: Equation) -> Equation | None:
         body_forms=[f for _, _, f in bodies])
   _OPENED[eqn] = result
   return result
+
+
+def map_mox(fn: Callable, mox) -> list:
+  """Calls ``fn`` on every node of the tree in pre-order; returns the results.
+
+  **Arguments:**
+  - ``fn``: called as ``fn(node)`` for the root, then each child, depth first.
+  - ``mox``: the tree (or any node of it).
+
+  **Returns:** the list of ``fn``'s return values, in visiting order.
+
+  Every node includes the equations in the bodies an equation holds as
+  Jaxpr parameters although they call no module (a ``jit``-ed helper, the
+  ``shard_map`` of a mixture of experts: see :func:`opened`), visited after
+  the equation that holds them: a pattern match can lie there, and every
+  equation of a ``yax.Match`` is one that ``map_mox`` visits.
+  """
+  out = []
+  stack = [mox]
+  while stack:
+    node = stack.pop()
+    out.append(fn(node))
+    children = getattr(node, 'children', ())
+    if not children and isinstance(node, Equation):
+      holder = opened(node)
+      children = holder.children if holder is not None else ()
+    stack.extend(reversed(children))
+  return out
 
 
 _OPENED: 'weakref.WeakKeyDictionary[Equation, Equation | None]' = \
@@ -430,7 +506,7 @@ class _Builder:
       parent.reach.setdefault(key, {}).update(values)
     rec = frame.record
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, Mapping) and not _nnx.is_variable_treedef(rec.var_tree):
+    if isinstance(own, Mapping) and not is_variable_treedef(rec.var_tree):
       for col, values in own.items():
         parent.reach.setdefault((col, *rec.path), {}).update(values)
     self.leave_out(rec)
@@ -459,7 +535,7 @@ class _Builder:
     live in its scope and are defined before it starts (a kernel computed
     inside the call, as for a tied head, is not a variable of the call)."""
     rec = frame.record
-    if _nnx.is_variable_treedef(rec.var_tree):
+    if is_variable_treedef(rec.var_tree):
       # NNX: the marker carried every variable the module can reach; the
       # call's are those its body reads (directly, or through the calls
       # and equations in it).
@@ -467,6 +543,11 @@ class _Builder:
       leaves, var_tree = _nnx.read_only(rec.var_tree, frame.var_inputs, reads)
       return leaves, var_tree, {}
     own = tree_unflatten(rec.var_tree, frame.var_inputs)
+    if rec.dict_vars and self.roots is not None:
+      own = {col: dict(values) for col, values in own.items()}
+      for col, name, tree, refs in rec.dict_vars:
+        own.setdefault(col, {})[name] = tree_unflatten(
+            tree, [self.roots[r] for r in refs])
     reach = self._reach_children(frame.children)
     for key, values in frame.reach.items():
       reach.setdefault(key, {}).update(

@@ -17,7 +17,6 @@ call's scope, ``(group, *module path, *rel_path)`` in the whole model
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from typing import Any
 
