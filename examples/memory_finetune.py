@@ -37,7 +37,6 @@ import re
 import flax.linen as nn
 import jax
 import jax.ad_checkpoint
-import jax.numpy as jnp
 import numpy as np
 import optax
 from sklearn.datasets import load_digits

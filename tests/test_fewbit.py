@@ -589,3 +589,32 @@ def test_pack_layout_is_the_little_endian_bit_stream():
                 for i in range(len(stream) // 8)]
     np.testing.assert_array_equal(_fewbit.pack(jnp.asarray(codes), bits),
                                   np.array(expected, np.uint8))
+
+
+def test_inside_a_flax_remat_body():
+  class Body(nn.Module):
+    act: object
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(5)(self.act(nn.Dense(10)(x)))
+
+  class Outer(nn.Module):
+    act: object
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(Body)(self.act, name='body')(x)
+
+  x = _inputs((3, 5))
+  v = Outer(nn.gelu).init(jax.random.key(0), x)
+  mox = yax.make_mox(Outer(nn.gelu).apply)(v, x)
+  new = yax.fewbit(mox, bits=3)
+  yax.check_mox(new)
+  assert len(yax.query('//module_call[@type="FewBit"]', new)) == 1
+  np.testing.assert_array_equal(yax.eval_mox(new, v, x),
+                                Outer(nn.gelu).apply(v, x))
+  got = jax.grad(lambda v: (yax.eval_mox(new, v, x) ** 2).sum())(v)
+  ref = jax.grad(lambda v: (Outer(stepped('gelu_tanh', 3)).apply(v, x) ** 2
+                            ).sum())(v)
+  assert_trees_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -154,8 +154,8 @@ def test_viewer_tree_details_and_search(browser, bert, tmp_path, compress):
   page.close()
 
 
-def test_viewer_nested_bodies(browser, tmp_path):
-  """Module calls inside nn.scan bodies (equation children) are in the tree."""
+def _scan_mox():
+  """A model with module calls inside an nn.scan body, and one after it."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -163,7 +163,7 @@ def test_viewer_nested_bodies(browser, tmp_path):
   class Cell(nn.Module):
     @nn.compact
     def __call__(self, c, x):
-      c = nn.Dense(4)(c) + x
+      c = nn.Dense(4)(nn.relu(nn.Dense(4)(c))) + x
       return c, c
 
   class Model(nn.Module):
@@ -171,11 +171,16 @@ def test_viewer_nested_bodies(browser, tmp_path):
     def __call__(self, xs):
       scan = nn.scan(Cell, variable_broadcast='params',
                      split_rngs={'params': False}, length=3)
-      return scan(name='rnn')(xs[0], xs)[0]
+      return nn.Dense(2)(scan(name='rnn')(xs[0], xs)[0])
 
   m = Model()
   xs = jnp.ones((3, 4))
-  mox = yax.make_mox(m.apply)(m.init(jax.random.key(0), xs), xs)
+  return yax.make_mox(m.apply)(m.init(jax.random.key(0), xs), xs)
+
+
+def test_viewer_nested_bodies(browser, tmp_path):
+  """Module calls inside nn.scan bodies (equation children) are in the tree."""
+  mox = _scan_mox()
   path = tmp_path / 'scan.html'
   _html.write_html(mox, path)
   page, errors, _ = _open(browser, path)
@@ -266,26 +271,7 @@ def test_embedded_json_is_json_and_never_markup():
 def test_payload_counts_each_nodes_flops():
   """The payload's FLOPs, summed bottom-up, are each node's own count
   (:func:`yax._summary.flops`, which walks the node's subtree)."""
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-
-  class Cell(nn.Module):
-    @nn.compact
-    def __call__(self, c, x):
-      c = nn.Dense(4)(nn.relu(nn.Dense(4)(c))) + x
-      return c, c
-
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, xs):
-      scan = nn.scan(Cell, variable_broadcast='params',
-                     split_rngs={'params': False}, length=3)
-      return nn.Dense(2)(scan(name='rnn')(xs[0], xs)[0])
-
-  m = Model()
-  xs = jnp.ones((3, 4))
-  mox = yax.make_mox(m.apply)(m.init(jax.random.key(0), xs), xs)
+  mox = _scan_mox()
   nodes = _html._nodes(mox)
   flops = _html.payload(mox)['flops']
   assert flops == [_summary.flops(n) for n in nodes]

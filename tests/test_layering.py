@@ -47,6 +47,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 COMPAT = '_compat'  # the one module that may import JAX/Flax internals
 
+# The tools: clients of the rewrite engine, none importing another (what
+# they share lives in the engine's layer or below).
+TOOLS = ('_lora', '_init', '_cast', '_quantize', '_remat', '_randomized',
+         '_fewbit')
+
 
 # ------------------------------------------------------------ the scanner
 
@@ -357,6 +362,14 @@ def test_imports_go_down_the_layers(package):
   assert not bad, (
       'imports must go down the layers of tests/test_layering.py LAYERS '
       '(lowest first: ' + ' < '.join(names) + '):\n  ' + '\n  '.join(bad))
+
+
+def test_tools_never_import_each_other(package):
+  bad = [f'{imp.where(PACKAGE_DIR)}: {imp.importer} imports {imp.target}'
+         for imp in package.imports
+         if imp.importer in TOOLS and imp.target in TOOLS]
+  assert not bad, ('a tool imports another tool (move what they share into '
+                   'the rewriting layer):\n  ' + '\n  '.join(bad))
 
 
 def test_no_private_names_across_modules(package):

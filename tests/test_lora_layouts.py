@@ -101,13 +101,16 @@ class Wrap(nn.Module):
 
 
 class Scanned(nn.Module):
-  """Three Dense layers stacked by nn.scan (kernels [3, 6, 6])."""
+  """Three Dense layers stacked by nn.scan (kernels [3, 6, 6]; on axis 1,
+  [6, 3, 6], Flax moves the stack axis to the front before the scan
+  slices it, as MaxText's param_scan_axis=1 does)."""
+  axis: int = 0
 
   @nn.compact
   def __call__(self, x):
     body = nn.scan(lambda mdl, c, _: (jnp.tanh(mdl(c)), None),
-                   variable_axes={'params': 0}, split_rngs={'params': True},
-                   length=3)
+                   variable_axes={'params': self.axis},
+                   split_rngs={'params': True}, length=3)
     return body(nn.Dense(6, name='layer'), x, None)[0]
 
 
@@ -182,8 +185,11 @@ def test_linen_layout(case):
   check_adapter_gradients(res, trained, x)
 
 
-def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice():
-  model = Scanned()
+@pytest.mark.parametrize('axis,subscripts', [(0, 'lir,lro->lio'),
+                                             (1, 'lir,lro->ilo')])
+def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice(axis,
+                                                                subscripts):
+  model = Scanned(axis)
   x = jax.random.normal(jax.random.key(0), (2, 6))
   variables = model.init(jax.random.key(1), x)
   mox = yax.make_mox(model.apply)(variables, x)
@@ -191,6 +197,7 @@ def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice():
                  alpha=ALPHA)
   yax.check_mox(res.mox)
   layer = res.params['params']['layer']
+  # Stacked on axis 0, the axis the scan slices.
   assert layer['lora_a'].shape == (3, 6, RANK)
   assert layer['lora_b'].shape == (3, RANK, 6)
   np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
@@ -198,7 +205,7 @@ def test_kernels_stacked_by_scan_get_one_adapter_pair_per_slice():
   trained = perturbed(res)
   t = trained['params']['layer']
   kernel = variables['params']['layer']['kernel']
-  new = kernel + ALPHA / RANK * np.einsum('lir,lro->lio', t['lora_a'],
+  new = kernel + ALPHA / RANK * np.einsum(subscripts, t['lora_a'],
                                           t['lora_b'])
   want = model.apply(put(variables, ('params', 'layer', 'kernel'), new), x)
   np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)

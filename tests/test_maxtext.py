@@ -214,16 +214,28 @@ def pending(reason):
   return pytest.mark.xfail(strict=True, reason=reason)
 
 
-PENDING_SUMMARY = pending('pending trace26: the variables of an NNX module '
-                          'passed as an argument (the token embedder) are in '
-                          'no summary row')
-PENDING_SCAN_LORA = pending('pending reach: LoRA on the kernel slices of '
-                            'scanned stacks')
-PENDING_MOE_LORA = pending('pending reach: LoRA on MoE experts whose input '
-                           'passes a sharding_constraint')
-PENDING_QUANTIZE = pending('pending engine: quantize inside the bodies of '
-                           'lifted transforms (every MaxText layer runs under '
-                           'jax.checkpoint)')
+PENDING_SUMMARY = pending(
+    'summary totals wrong on main: the root row of the NNX Llama 2 counts '
+    '115,264 params of 65,856 (scanned: 90,560); before the summary-totals '
+    'change it missed the token embedder, an NNX module passed as an '
+    'argument')
+PENDING_SCAN_LORA = pending(
+    'main regression: check_mox of the trace fails (the token embedder '
+    'passed as an argument, see PENDING_ARGUMENT_MODULE) before LoRA on the '
+    'kernel slices of scanned stacks can be checked')
+PENDING_MOE_LORA = pending(
+    'open: RoutedMoE holds its three expert kernels (wi_0, wi_1, wo) in one '
+    'module call; lora adapts one kernel per call and refuses it ("the '
+    'output of its contraction goes through ... before the module returns '
+    'it")')
+PENDING_ARGUMENT_MODULE = pending(
+    'main regression (trace26?): the token embedder, an NNX module passed '
+    'as an argument to NNXDecoder.__call__, is read inside the decoder call, '
+    'which does not list its variables: check_mox of the trace fails')
+PENDING_BRIDGE_SUMMARY = pending(
+    'open: under a mesh the bridged NNX calls read each param through the '
+    'sharding_constraint of LogicallyPartitioned.unbox; the summary counts '
+    'those values as params again')
 
 
 # ------------------------------------------------------------------ tests
@@ -272,7 +284,15 @@ def test_linen_bridge_trace_replay_and_paths(family, scan):
       holder = holder[key]
     assert 'kernel' in holder, node.path
   (top,) = [r for r in yax.summary(m.mox) if r.depth == 0]
-  assert top.module == 'TransformerLinen' and top.params == m.n_params
+  # The bridge call holds every variable, as its own.
+  assert top.module == 'TransformerLinen' and top.own_params == m.n_params
+
+
+@PENDING_BRIDGE_SUMMARY
+def test_linen_bridge_summary_counts_every_parameter_once():
+  m = build('llama2', False, linen=True)
+  (top,) = [r for r in yax.summary(m.mox) if r.depth == 0]
+  assert top.params == m.n_params
 
 
 def check_lora(m, selection):
@@ -326,6 +346,7 @@ def check_lora(m, selection):
 DENSE = '//module_call[@type="DenseGeneral"]'
 
 
+@PENDING_ARGUMENT_MODULE
 @pytest.mark.parametrize('family', ['llama2', 'gemma3'])
 def test_lora_on_every_projection(family):
   res = check_lora(build(family, False), DENSE)
@@ -356,7 +377,6 @@ def test_lora_through_the_linen_bridge():
   assert res.paths
 
 
-@PENDING_QUANTIZE
 def test_quantize_int8():
   m = build('llama2', False)
   with m.context():
@@ -364,6 +384,11 @@ def test_quantize_int8():
     back = q.dequantize(q.params)
     assert_trees_close(jit_eval(q.mox, q.params, *m.args),
                        jax.jit(m.run)(back, *m.args), rtol=1e-4, atol=1e-4)
+  # The state holds RNG streams (key<fry> leaves): counted, not a TypeError.
+  assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+             for x in jax.tree.leaves(m.params))
+  before, after = q.nbytes
+  assert after < before
 
 
 def test_cast_to_bfloat16():

@@ -134,12 +134,13 @@ except ImportError:  # pragma: no cover - flax without nnx
   nnx_node_items = nnx_is_node_type = None
 
 
-# Why: a rewrite that threads new inputs into a ``scan`` body (LoRA adapters
-# or new variables of a module inside ``nn.scan``) must say in the equation's
+# A rewrite that threads new inputs into a ``scan`` body (LoRA adapters or
+# new variables of a module inside ``nn.scan``) must say in the equation's
 # params how many loop constants it has. JAX up to 0.11 counts them in
-# ``num_consts``/``num_carry``; JAX 0.12 replaced those by ``ft_in``/``ft_out``,
-# flat trees (``jax._src.flattree``, no public name) of (consts, carry, xs).
+# ``num_consts``/``num_carry``; JAX 0.12 replaced those by ``ft_in``/``ft_out``.
 try:
+  # Why: ``ft_in`` is a flat tree of (consts, carry, xs), whose type and
+  # constructors (``jax._src.flattree``) have no public name.
   from jax._src import flattree as _flattree
 except ImportError:  # pragma: no cover - JAX without flat-tree scan params
   _flattree = None

@@ -31,7 +31,6 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from yax import _pattern
 from yax._errors import SubstitutionError

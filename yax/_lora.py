@@ -511,58 +511,66 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   merges = sorted({(path, plan.names): plan
                    for (path, _), plan in adapted.items()}.items())
   paths = sorted({path for (path, _), _ in merges})
+  tied = [(path, plan) for (path, _), plan in merges if plan.tied]
+  refusal = None
+  if tied:
+    heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
+    refusal = (
+        'merge: ' + '; '.join(
+            f"the adapter at params"
+            f"{''.join(f'[{k!r}]' for k in (*inside, *path))} "
+            f'({plan.names[0]}/{plan.names[1]}) is a call-site adapter: '
+            f'{plan.tied}' for path, plan in tied) +
+        '. Merged into that kernel it would change every other reader '
+        'too, so a tied head could no longer be tied: keep the adapters '
+        '(run res.mox with the trained params), or adapt the other '
+        'modules only to get mergeable adapters.\n' + leave_out_hint(
+            heads, selection, chosen.targets))
+  return LoraResult(new_mox, new_params, mask, functools.partial(
+      merge, merges=tuple(merges), inside=inside, scale=scale,
+      refusal=refusal), paths)
 
-  def merge(trained):
-    """Folds ``kernel + (alpha/rank) * A @ B`` (in the kernel's layout) for
-    every adapter and returns params for the original tree (adapters
-    removed), in ``trained``'s container types."""
-    tied = [(path, plan) for (path, _), plan in merges if plan.tied]
-    if tied:
-      heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
+
+def merge(trained, *, merges: tuple, inside: tuple, scale: float,
+          refusal: str | None = None):
+  """Folds ``kernel + scale * A @ B`` (in the kernel's layout) for every
+  adapter of ``merges`` (``((module path, adapter names), plan)``, under
+  ``inside`` in ``trained``) and returns params for the original tree
+  (adapters removed), in ``trained``'s container types. ``refusal``: why
+  these adapters cannot be merged (call-site adapters of tied heads)."""
+  if refusal is not None:
+    raise SubstitutionError(refusal)
+  out = trained
+  for (module_path, names), plan in merges:
+    keys = (*inside, *module_path)
+    module = get_in(out, keys)
+    boxed = get_in(out, (*keys, plan.kernel_name))
+    kernel, a, b = (unboxed(x) for x in (
+        boxed, get_in(out, (*keys, names[0])), get_in(out, (*keys, names[1]))))
+    where = f"params{''.join(f'[{k!r}]' for k in keys)}"
+    if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
+        tuple(b.shape[b.ndim - len(plan.b_shape):]) != plan.b_shape):
       raise SubstitutionError(
-          'merge: ' + '; '.join(
-              f"the adapter at params"
-              f"{''.join(f'[{k!r}]' for k in (*inside, *path))} "
-              f'({plan.names[0]}/{plan.names[1]}) is a call-site adapter: '
-              f'{plan.tied}' for path, plan in tied) +
-          '. Merged into that kernel it would change every other reader '
-          'too, so a tied head could no longer be tied: keep the adapters '
-          '(run res.mox with the trained params), or adapt the other '
-          'modules only to get mergeable adapters.\n' + leave_out_hint(
-              heads, selection, chosen.targets))
-    out = trained
-    for (module_path, names), plan in merges:
-      keys = (*inside, *module_path)
-      module = get_in(out, keys)
-      boxed = get_in(out, (*keys, plan.kernel_name))
-      kernel, a, b = (unboxed(x) for x in (
-          boxed, get_in(out, (*keys, names[0])), get_in(out, (*keys, names[1]))))
-      where = f"params{''.join(f'[{k!r}]' for k in keys)}"
-      if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
-          tuple(b.shape[b.ndim - len(plan.b_shape):]) != plan.b_shape):
-        raise SubstitutionError(
-            f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
-            f'and {names[1]} {tuple(b.shape)}; lora made them '
-            f'{plan.a_shape} and {plan.b_shape}')
-      drop = names
-      if plan.quant is not None:  # QLoRA: back to the float kernel
-        scale_name = f'{plan.kernel_name}_scale'
-        kernel = dequantize_array(kernel, unboxed(get_in(
-            out, (*keys, scale_name))), plan.quant, a.dtype,
-            plan.contracted)
-        drop = (*names, scale_name)
-      delta = _kernel_delta(plan, a, b)
-      if tuple(delta.shape) != tuple(kernel.shape):
-        raise SubstitutionError(
-            f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
-            f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
-            f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
-      merged = boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
-      out = set_in(out, keys, set_in(without(module, drop),
-                                     (plan.kernel_name,), merged))
-    return out
-
-  return LoraResult(new_mox, new_params, mask, merge, paths)
+          f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
+          f'and {names[1]} {tuple(b.shape)}; lora made them '
+          f'{plan.a_shape} and {plan.b_shape}')
+    drop = names
+    if plan.quant is not None:  # QLoRA: back to the float kernel
+      scale_name = f'{plan.kernel_name}_scale'
+      kernel = dequantize_array(kernel, unboxed(get_in(
+          out, (*keys, scale_name))), plan.quant, a.dtype,
+          plan.contracted)
+      drop = (*names, scale_name)
+    delta = _kernel_delta(plan, a, b)
+    if tuple(delta.shape) != tuple(kernel.shape):
+      raise SubstitutionError(
+          f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
+          f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
+          f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
+    merged = boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
+    out = set_in(out, keys, set_in(without(module, drop),
+                                   (plan.kernel_name,), merged))
+  return out
 
 
 def _get_or_none(tree, keys):

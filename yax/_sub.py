@@ -125,22 +125,30 @@ def _locate(root: Mox) -> Located:
   prefix: dict[str, tuple] = {}
   # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
   # input stands for the equation input it receives (``alias``).
-  stack = [(c, {}) for c in root.children]
+  stack = [(c, {}, {}) for c in root.children]
   # Where each collection sits: the prefix most variables agree on (the
   # root call of a nested Module.apply reads weights of another module
   # under a path of its own: it must not decide).
   votes: dict[str, collections.Counter] = {}
   all_locs: set = set()
   while stack:
-    node, alias = stack.pop()
+    # ``moved``: in this scope, a param transposed before a scan slices
+    # it (nn.scan with variable_axes={'params': 1}, MaxText's scanned
+    # layers): the scanned slices are the param's.
+    node, alias, moved = stack.pop()
     if isinstance(node, Equation):
       for index, body in enumerate(node.children):
         outer = _rules.body_input_sources(node, index)
+        if node.prim.name == 'scan':
+          outer = [moved.get(o, o) for o in outer]
         inner = {b: alias.get(o, o)
                  for b, o in zip(body.inputs, outer, strict=True)}
-        stack.extend((c, {**alias, **inner}) for c in body.children)
+        stack.extend((c, {**alias, **inner}, {}) for c in body.children)
       continue
-    stack.extend((c, alias) for c in node.children)
+    inside = {c.outputs[0]: c.inputs[0] for c in node.children
+              if isinstance(c, Equation) and c.prim.name == 'transpose'
+              and not isinstance(c.inputs[0], Literal)}
+    stack.extend((c, alias, inside) for c in node.children)
     if node.is_ephemeral:
       continue
     for loc, sym in _var_locs(node):
