@@ -16,6 +16,9 @@ Everything is computed from the tree itself, without running the model:
   own, and a never-called submodule's that it reads straight from it), so
   each parameter is the own parameter of one row. A Linen param whose
   value is a dict counts as the module's own (shown ``p/a: f32[3]``).
+  Params of the traced arguments that no call reads (a tied head's own
+  kernel) are the own params of the row of the module owning them, marked
+  ``(unread)``: see :func:`unread_params`.
 * **FLOPs**: every equation of the call (submodules included), by the rule
   table of :mod:`yax._flops`: matmuls, convolutions and element-wise work.
 * A call of another method of the *same* module instance from inside one of
@@ -170,7 +173,7 @@ def total_params(mox: Mox) -> tuple[int, int]:
 def unread_params(mox: Mox, reads: ParamReads | None = None
                   ) -> dict[Symbol, tuple[str, ...]]:
   """The ``params`` of the traced arguments of the root ``mox`` that no
-  module call reads, with their paths (module path, then name: 
+  module call reads, with their paths (module path, then name:
   ``('lm_head', 'kernel')``).
 
   A model may hold parameters its forward never reads: a head tied to
