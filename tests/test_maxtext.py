@@ -378,6 +378,8 @@ def test_lora_through_the_linen_bridge():
 
 
 def test_quantize_int8():
+  # Every MaxText layer runs under jax.checkpoint: quantize reaches into
+  # the lifted bodies.
   m = build('llama2', False)
   with m.context():
     q = yax.quantize(m.mox, m.params, DENSE, weight='int8')

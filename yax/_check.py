@@ -29,6 +29,7 @@ is reported as an ``InvariantError`` too (with the original as its cause).
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.extend import core as jex
@@ -394,8 +395,9 @@ def _check_scopes(mox: Mox) -> None:
           f'{_where(node)} has {len(node.constvars)} constant symbols but '
           f'{len(node.consts)} constant values')
 
-  # The traced function's arguments (parameters among them): a module call
-  # that reads one lists it among its inputs, as every call around it does.
+  # The traced function's arguments (parameters among them): a Linen module
+  # call that reads one lists it among its inputs, as every call around it
+  # does.
   arguments = {s for s in mox.inputs if not isinstance(s, Literal)}
 
   def read_in(call, scope: _Scope, sym, node, what, path):
@@ -428,7 +430,11 @@ def _check_scopes(mox: Mox) -> None:
     check_counts(node)
     for i, s in enumerate(node.inputs):
       read_in(call, scope, s, node, f'input {i}', path)
-    inner = call if node.is_ephemeral else node
+    # Linen calls: an NNX call may read an array attribute of its module
+    # (a root input that is no Variable) without listing it.
+    linen = isinstance(node.module_ty, type) and issubclass(
+        node.module_ty, nn.Module)
+    inner = node if linen and not node.is_ephemeral else call
     for child in node.children:
       walk(scope, child, node.path, inner)
     for i, s in enumerate(node.outputs):
