@@ -437,6 +437,52 @@ def _assert_each_param_in_one_row(mox, n_model):
   return {r.path: r for r in rows}
 
 
+class _ScanLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(nn.Dense(4, name='fc')(x)), None
+
+
+class _Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(_ScanLayer, variable_axes={'params': 0},
+                     split_rngs={'params': True}, length=3)
+    return layers(name='layers')(x, None)[0]
+
+
+class _Jitted(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4, name='a')(x)
+    return nn.jit(nn.Dense)(5, name='b')(h) + nn.Dense(5, name='c')(h).sum()
+
+
+def test_scan_params_sit_in_one_row():
+  """A scanned layer's calls read one layer of the stacked kernel (the
+  scan body's inputs), the call around the scan the stacked kernel: one
+  param, counted once, the whole stack in the scanned calls' rows."""
+  m, x = _Scanned(), jnp.ones((2, 4))
+  variables = m.init(jax.random.key(0), x)
+  mox = yax.make_mox(m.apply)(variables, x)
+  n_model = _n_leaves(variables['params'])
+  assert n_model == 3 * (4 * 4 + 4)
+  rows = _assert_each_param_in_one_row(mox, n_model)
+  assert rows['layers'].params == n_model
+  assert rows['layers/fc'].own_params == rows['layers/fc'].params == n_model
+
+
+def test_jit_params_sit_in_one_row():
+  """Params read by calls inside an ``nn.jit`` body are the params the
+  equation around it receives: counted once."""
+  m, x = _Jitted(), jnp.ones((2, 3))
+  variables = m.init(jax.random.key(0), x)
+  mox = yax.make_mox(m.apply)(variables, x)
+  params = variables['params']
+  rows = _assert_each_param_in_one_row(mox, _n_leaves(params))
+  assert rows['b'].own_params == rows['b'].params == _n_leaves(params['b'])
+
+
 def test_a_tied_head_kernel_never_read_sits_in_the_root_row():
   """An NNX head tied to the embedding (the logits use the embedding's
   transpose) that still owns a kernel, as EasyDeL's Gemma 2: the kernel is

@@ -41,7 +41,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax import _flops, _lower
+from yax import _flops, _lower, _rules
+from yax._errors import YaxError
 from yax._lower import dynamic, to_jaxpr
 from yax._ir import Equation, Expr, Literal, Mox, Symbol, leaf_equations
 from yax._variables import var_entries
@@ -161,7 +162,7 @@ def total_params(mox: Mox) -> tuple[int, int]:
   (see :class:`ParamReads`), each variable once (a module called twice
   shares them), and of those in the traced arguments that no call reads
   (:func:`unread_params`). A tree without module calls has none."""
-  reads = ParamReads()
+  reads = ParamReads(mox)
   seen: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
     seen.update(reads.of(node))
@@ -185,7 +186,7 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   if not isinstance(mox, Mox) or mox.num_vars or mox.in_tree is None:
     return {}
   from yax import _nnx, _sub
-  reads = reads if reads is not None else ParamReads()
+  reads = reads if reads is not None else ParamReads(mox)
   read: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
     read.update(reads.of(node))
@@ -224,22 +225,45 @@ class ParamReads:
   self.token_embedder, ...)``) is called inside the caller, its variables
   reached through the argument, not the caller's own graph. Counting the
   calls inside puts them in the caller's total and the model's.
+
+  A lifted transform's body (``nn.scan``, ``nn.jit``, ``nn.remat``) has
+  symbols of its own: the calls inside read the body's inputs (a scan's
+  one layer of a stacked kernel), the call around it the equation's. Each
+  body input stands for the equation input it receives (see
+  :func:`yax._rules.body_input_sources`), so every read is named by its
+  symbol in the scope of ``root``: a param read inside and outside a body
+  is one param, and a scanned call counts the whole stacked kernel.
   """
 
   _NONE: dict = {}
 
-  def __init__(self):
+  def __init__(self, root: Expr):
     self._memo: dict[int, dict[int, Symbol]] = {}
+    self._outer: dict[int, Symbol] = {}  # body input -> root-scope symbol
+    stack = [root]
+    while stack:
+      node = stack.pop()
+      if isinstance(node, Equation) and node.children:
+        for i, body in enumerate(node.children):
+          try:
+            sources = _rules.body_input_sources(node, i)
+          except YaxError:  # no rule for this primitive: its own symbols
+            continue
+          for inner, source in zip(body.inputs, sources, strict=True):
+            self._outer[id(inner)] = self._outer.get(id(source), source)
+      stack.extend(node.children)
 
   def of(self, node: Expr) -> dict[int, Symbol]:
     """``{id: symbol}`` of the params read by ``node`` and the calls in it
-    (in the order first read). Do not change the dict returned."""
+    (in the order first read), as symbols of the root's scope. Do not
+    change the dict returned."""
     got = self._memo.get(id(node))
     if got is not None:
       return got
     got = {}
     if isinstance(node, Mox):
       for s in variable_groups(node).get(PARAMS, ()):
+        s = self._outer.get(id(s), s)
         got[id(s)] = s
     for child in node.children:
       got.update(self.of(child))
@@ -468,7 +492,7 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   """
   out: list[SummaryRow] = []
   parents: list[int | None] = []  # the row each row sits in
-  reads = ParamReads()
+  reads = ParamReads(mox)
 
   def visit(node: Expr, level: int, owner: Mox | None, parent: int | None):
     if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
