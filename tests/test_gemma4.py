@@ -247,9 +247,6 @@ def test_text_trace_and_replay(text):
   assert top_row(mox).path == ''
 
 
-@pytest.mark.xfail(strict=True, reason='main regression: the summary counts '
-                   'the params read inside the nn.jit body of '
-                   'Transformer.__call__ twice (101,912 of 50,956)')
 @pytest.mark.parametrize('model', ['text', 'moe'])
 def test_summary_counts_every_parameter_once(model, request):
   built = request.getfixturevalue(model)
@@ -260,13 +257,6 @@ def test_summary_counts_every_parameter_once(model, request):
 # Embedder scales before the contraction (refused: see below).
 ADAPTED = ('//module_call[@type="Einsum"]'
            '[not(@name="per_layer_model_projection")]')
-# On main since the summary-totals change: 80 params on a Dense scanned
-# over 3 layers that holds 60 (the stacked kernel and its slice).
-PENDING_SCAN_SUMMARY = pytest.mark.xfail(
-    strict=True, reason='main regression: the summary counts the params of '
-    'an nn.scan body again (the stacked params and their slices)')
-
-
 def test_text_lora_and_cast(text):
   assert check_lora(text.mox, text.variables, ADAPTED, text.call,
                     text.args) >= 4 * text.config.num_layers
@@ -339,7 +329,6 @@ def test_vision_encoder_trace_and_replay(vision):
   assert yax.query('//scan', vision.mox)
 
 
-@PENDING_SCAN_SUMMARY
 def test_vision_encoder_summary_counts_every_parameter_once(vision):
   assert top_row(vision.mox).params == n_params(vision.variables)
 

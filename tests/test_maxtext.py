@@ -214,11 +214,6 @@ def pending(reason):
   return pytest.mark.xfail(strict=True, reason=reason)
 
 
-PENDING_SUMMARY = pending(
-    'summary totals wrong on main: the root row of the NNX Llama 2 counts '
-    '115,264 params of 65,856 (scanned: 90,560); before the summary-totals '
-    'change it missed the token embedder, an NNX module passed as an '
-    'argument')
 PENDING_SCAN_LORA = pending(
     'main regression: check_mox of the trace fails (the token embedder '
     'passed as an argument, see PENDING_ARGUMENT_MODULE) before LoRA on the '
@@ -232,10 +227,6 @@ PENDING_ARGUMENT_MODULE = pending(
     'main regression (trace26?): the token embedder, an NNX module passed '
     'as an argument to NNXDecoder.__call__, is read inside the decoder call, '
     'which does not list its variables: check_mox of the trace fails')
-PENDING_BRIDGE_SUMMARY = pending(
-    'open: under a mesh the bridged NNX calls read each param through the '
-    'sharding_constraint of LogicallyPartitioned.unbox; the summary counts '
-    'those values as params again')
 
 
 # ------------------------------------------------------------------ tests
@@ -259,8 +250,7 @@ def test_trace_and_exact_replay(family, scan):
   assert len(layers) == (2 if not scan or family == 'deepseek3' else 1)
 
 
-@pytest.mark.parametrize('family,scan', [
-    pytest.param(*c.values, id=c.id, marks=PENDING_SUMMARY) for c in CASES])
+@pytest.mark.parametrize('family,scan', CASES)
 def test_summary_counts_every_parameter_once(family, scan):
   m = build(family, scan)
   (top,) = [r for r in yax.summary(m.mox) if r.depth == 0]
@@ -288,7 +278,6 @@ def test_linen_bridge_trace_replay_and_paths(family, scan):
   assert top.module == 'TransformerLinen' and top.own_params == m.n_params
 
 
-@PENDING_BRIDGE_SUMMARY
 def test_linen_bridge_summary_counts_every_parameter_once():
   m = build('llama2', False, linen=True)
   (top,) = [r for r in yax.summary(m.mox) if r.depth == 0]

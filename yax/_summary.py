@@ -230,28 +230,41 @@ class ParamReads:
   symbols of its own: the calls inside read the body's inputs (a scan's
   one layer of a stacked kernel), the call around it the equation's. Each
   body input stands for the equation input it receives (see
-  :func:`yax._rules.body_input_sources`), so every read is named by its
-  symbol in the scope of ``root``: a param read inside and outside a body
-  is one param, and a scanned call counts the whole stacked kernel.
+  :func:`yax._rules.body_input_sources`), and a value that only lays a
+  param out anew (MaxText's ``nnx.scan`` moves the layer axis of its
+  stacked kernels first with a ``transpose``) for that param, so every
+  read is named by the root-scope param it is: a param read inside and
+  outside a body is one param, and a scanned call counts the whole stack.
   """
 
   _NONE: dict = {}
 
   def __init__(self, root: Expr):
     self._memo: dict[int, dict[int, Symbol]] = {}
-    self._outer: dict[int, Symbol] = {}  # body input -> root-scope symbol
+    self._source: dict[int, Symbol] = {}  # body input -> equation input
+    self._layout: dict[int, Symbol] = {}  # re-laid-out value -> its operand
     stack = [root]
     while stack:
       node = stack.pop()
-      if isinstance(node, Equation) and node.children:
+      if isinstance(node, Equation):
+        operand = _laid_out(node)
+        if operand is not None:
+          self._layout[id(node.outputs[0])] = operand
         for i, body in enumerate(node.children):
           try:
             sources = _rules.body_input_sources(node, i)
           except YaxError:  # no rule for this primitive: its own symbols
             continue
           for inner, source in zip(body.inputs, sources, strict=True):
-            self._outer[id(inner)] = self._outer.get(id(source), source)
+            self._source[id(inner)] = source
       stack.extend(node.children)
+
+  def _root_symbol(self, s: Symbol) -> Symbol:
+    while True:
+      up = self._source.get(id(s)) or self._layout.get(id(s))
+      if up is None:
+        return s
+      s = up
 
   def of(self, node: Expr) -> dict[int, Symbol]:
     """``{id: symbol}`` of the params read by ``node`` and the calls in it
@@ -263,12 +276,30 @@ class ParamReads:
     got = {}
     if isinstance(node, Mox):
       for s in variable_groups(node).get(PARAMS, ()):
-        s = self._outer.get(id(s), s)
+        s = self._root_symbol(s)
         got[id(s)] = s
     for child in node.children:
       got.update(self.of(child))
     self._memo[id(node)] = got = got or self._NONE
     return got
+
+
+# Primitives whose result holds its one array operand's values, laid out
+# anew (or cast): the same parameter when the operand is one.
+_LAYOUT = frozenset({'transpose', 'reshape', 'squeeze', 'expand_dims', 'copy',
+                     'copy_p', 'sharding_constraint', 'convert_element_type'})
+
+
+def _laid_out(eqn: Equation) -> Symbol | None:
+  """The operand of a :data:`_LAYOUT` equation whose one output has as many
+  values as its one array operand; else ``None``."""
+  if eqn.prim.name not in _LAYOUT or len(eqn.outputs) != 1:
+    return None
+  operands = [s for s in eqn.inputs if not isinstance(s, Literal)]
+  if len(operands) != 1:
+    return None
+  same = count(operands)[0] == count(eqn.outputs)[0]
+  return operands[0] if same else None
 
 
 def outermost_calls(mox: Expr) -> Iterator[Mox]:
