@@ -10,7 +10,7 @@ trees: only their time is used.
 
 Stages:
 
-* tree build:   ``_trace.build_root`` (Jaxpr with markers -> MoX tree);
+* tree build:   ``_make.build_root`` (Jaxpr with markers -> MoX tree);
 * variables:    listing each call's variables (``_Context.variables``) and
                 everything downstream of them (root references, the
                 builder's narrowing to what the body reads);
@@ -40,7 +40,10 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import yax  # noqa: E402
-from yax import _bundled_nnx, _calls, _nnx, _trace  # noqa: E402
+from yax._src.cli import bundled_nnx as _bundled_nnx  # noqa: E402
+from yax._src.trace import calls as _calls  # noqa: E402
+from yax._src.trace import make as _make  # noqa: E402
+from yax._src.trace import nnx as _nnx  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -80,7 +83,7 @@ def _plain_call(module_ty, method, params, path, var_leaves, var_tree, call,
 
 
 STAGES = {
-    'tree build': lambda: [Stub(_trace, 'build_root', lambda *a: None)],
+    'tree build': lambda: [Stub(_make, 'build_root', lambda *a: None)],
     'variables': lambda: [Stub(_nnx._Context, 'variables', _no_variables)],
     'static params': lambda: [Stub(
         _nnx, '_static_params', lambda m, p: {'name': p[-1] if p else None})],

@@ -24,7 +24,7 @@ os.environ.setdefault('USE_FLAX', '1')
 import jax.numpy as jnp  # noqa: E402
 
 import yax  # noqa: E402
-from yax import _serialize  # noqa: E402
+from yax._src.views import serialize as _serialize  # noqa: E402
 
 DENSE = '//module_call[@type="Dense"]'
 

@@ -39,7 +39,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import yax  # noqa: E402
-from yax import _calls, _markers, _nnx  # noqa: E402
+from yax._src.trace import calls as _calls  # noqa: E402
+from yax._src.trace import markers as _markers  # noqa: E402
+from yax._src.trace import nnx as _nnx  # noqa: E402
 
 GOALS = {'trace': 1.2, 'jit steady': 1.02, 'jit first': 1.1, 'eager': 1.2}
 
@@ -174,8 +176,8 @@ def measure_run(model, x, params, reps: dict) -> dict:
   f_ev = flops(jax.jit(ev).lower(x, params).compile())
   f_fn = flops(jax.jit(call).lower(x, params).compile())
   res['flops'] = (f_ev, f_fn)
-  n_eqns = sum(1 for _ in yax._ir.leaf_equations(mox))
-  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+  n_eqns = sum(1 for _ in yax._src.ir.nodes.leaf_equations(mox))
+  n_mods = sum(1 for n in yax._src.ir.nodes.iter_nodes(mox)
                if isinstance(n, yax.Mox) and not n.is_ephemeral)
   res['size'] = (n_eqns, n_mods)
   return res
@@ -344,7 +346,7 @@ def nnx_trace_rows(forms, reps: dict) -> list:
 
 
 def nnx_section(small: bool, reps: dict) -> None:
-  """An NNX Transformer (``yax._bundled_nnx``): tracing and jit steady state,
+  """An NNX Transformer (``yax._src.cli.bundled_nnx``): tracing and jit steady state,
   YAX vs JAX/NNX, printed side by side, for the model passed as an object
   and for the split form (``nnx.split``/``nnx.merge``), with the floor of
   any method-wrapping tracer (YAX's wrappers installed, recording nothing)
@@ -354,7 +356,7 @@ def nnx_section(small: bool, reps: dict) -> None:
   splits YAX's share into stages."""
   from flax import nnx
 
-  from yax import _bundled_nnx
+  from yax._src.cli import bundled_nnx as _bundled_nnx
   config = ({} if small else dict(vocab_size=1000, max_length=128, dim=256,
                                   num_heads=8, hidden=1024, num_layers=4))
   model, tokens = _bundled_nnx.make(batch=1, length=16 if small else 128,
@@ -387,8 +389,8 @@ def nnx_section(small: bool, reps: dict) -> None:
   f_ev = flops(sev.lower(state, tokens).compile())
   f_fn = flops(sfn.lower(state, tokens).compile())
 
-  n_eqns = sum(1 for _ in yax._ir.leaf_equations(mox))
-  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+  n_eqns = sum(1 for _ in yax._src.ir.nodes.leaf_equations(mox))
+  n_mods = sum(1 for n in yax._src.ir.nodes.iter_nodes(mox)
                if isinstance(n, yax.Mox) and not n.is_ephemeral)
   print(f'NNX Transformer ({n_params:,} params, tokens {tuple(tokens.shape)}):'
         f' {n_eqns} equations, {n_mods} module calls; medians')
@@ -437,10 +439,10 @@ def tunix_llama_rows(reps: dict) -> None:
   rows = nnx_trace_rows(
       [('module', lambda: lambda m, *a: m(*a), (model, *args))], reps)
   mox = yax.make_mox(lambda m, *a: m(*a))(model, *args)
-  n_mods = sum(1 for n in yax._ir.iter_nodes(mox)
+  n_mods = sum(1 for n in yax._src.ir.nodes.iter_nodes(mox)
                if isinstance(n, yax.Mox) and not n.is_ephemeral)
   print(f'\ntunix Llama 3 (8 layers, width 512, tokens (1, 128)): '
-        f'{sum(1 for _ in yax._ir.leaf_equations(mox))} equations, '
+        f'{sum(1 for _ in yax._src.ir.nodes.leaf_equations(mox))} equations, '
         f'{n_mods} module calls; medians')
   for metric, a, b in rows:
     print(f'{metric:<20} | {fmt_time(a):>10} | {fmt_time(b):>10} | '

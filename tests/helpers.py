@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import yax
-from yax._ir import iter_nodes
+from yax._src.ir.nodes import iter_nodes
 
 
 def assert_trees_close(a, b, *, rtol=1e-5, atol=1e-5):
@@ -137,6 +137,8 @@ def run_on_host_devices(script: str, tmp_path, done: str, devices: int = 8):
                       ).strip()
   env['PYTHONPATH'] = os.pathsep.join(
       [str(root), str(root / 'tests')] +
+      [str(p) for p in sorted((root / 'tests').iterdir())
+       if p.is_dir() and not p.name.startswith(('_', '.'))] +
       ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
   proc = subprocess.run([sys.executable, str(path)], env=env,
                         capture_output=True, text=True, timeout=600)

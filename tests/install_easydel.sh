@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs EasyDeL 0.3.0 (an NNX model zoo: Llama, Mistral, Qwen 2, Gemma 2,
-# Mixtral, ...) that tests/test_easydel.py runs, into the environment of the
+# Mixtral, ...) that tests/real/test_easydel.py runs, into the environment of the
 # given Python, keeping jax, jaxlib, flax and everything else that is
 # already installed at its version, except transformers (and its
 # huggingface-hub), which EasyDeL needs at 5.x:
@@ -14,7 +14,7 @@
 #
 #   python3 -m venv .venv-easydel && .venv-easydel/bin/pip install -e ".[test]"
 #   bash tests/install_easydel.sh .venv-easydel/bin/python
-#   .venv-easydel/bin/python -m pytest -q tests/test_easydel.py
+#   .venv-easydel/bin/python -m pytest -q tests/real/test_easydel.py
 #
 # Takes about 20 s with a warm pip cache and adds about 330 MB (ray is two
 # thirds of it); never PyTorch. Exits non-zero if an install fails, if any
@@ -32,7 +32,7 @@
 # at their versions by the constraints: optax, pyyaml, tqdm, psutil,
 # tensorstore, jinja2, pillow, safetensors, tokenizers.
 # The import itself needs workarounds (EASYDEL_AUTO=0, five Hugging Face
-# modeling modules that need torch): see tests/test_easydel.py.
+# modeling modules that need torch): see tests/real/test_easydel.py.
 # pip would report the requirements left out above as "dependency conflicts"
 # (expected, by design): --no-warn-conflicts silences that report; the
 # check at the end is what guards the existing environment.

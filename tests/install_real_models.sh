@@ -9,13 +9,13 @@
 # Python version (one set of third-party model code per Python version):
 #
 # * Python 3.11: Google DeepMind `gemma` 3.3.0 (kauldron 1.4.2) and
-#   `recurrentgemma` (Linen: tests/test_real_models.py), Google `tunix` Llama
-#   3, Qwen 3, Gemma 3 (NNX: tests/test_real_nnx.py). About 10-15 s, 25 MB.
+#   `recurrentgemma` (Linen: tests/real/test_real_models.py), Google `tunix` Llama
+#   3, Qwen 3, Gemma 3 (NNX: tests/real/test_real_nnx.py). About 10-15 s, 25 MB.
 # * Python >= 3.12 (where the newest JAX installs): `gemma` 4.0.1 (kauldron
-#   1.4.4; it needs Python >= 3.12 and adds Gemma 4: tests/test_gemma4.py;
-#   its Gemma 3 Transformer is what tests/test_real_models.py builds),
+#   1.4.4; it needs Python >= 3.12 and adds Gemma 4: tests/real/test_gemma4.py;
+#   its Gemma 3 Transformer is what tests/real/test_real_models.py builds),
 #   recurrentgemma and tunix as above, and MaxText 0.2.5 (NNX decoders and
-#   their Linen bridge: tests/test_maxtext.py; it needs Python >= 3.12 too).
+#   their Linen bridge: tests/real/test_maxtext.py; it needs Python >= 3.12 too).
 #   About 1.5 min with a cold pip cache, 300 MB (no TensorFlow, no PyTorch).
 #
 # Exits non-zero if an install fails or if any package that was installed

@@ -2,7 +2,7 @@
 
 import sys
 
-from yax._cli import main
+from yax._src.cli.main import main
 
 if __name__ == '__main__':
   sys.exit(main())

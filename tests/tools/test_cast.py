@@ -1,0 +1,170 @@
+"""``yax.cast``: selected module calls compute in another dtype.
+
+Compared with the same Flax model built with ``dtype=`` (the result must be
+identical), and on Hugging Face BERT with HF's own ``dtype=bfloat16``,
+which casts everything, LayerNorm included.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+
+
+class MLP(nn.Module):
+  dtype: object = None
+  head_dtype: object = None  # the last Dense's, where it differs
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(8, dtype=self.dtype)(x))
+    h = nn.LayerNorm()(h)
+    return nn.Dense(3, dtype=self.head_dtype or self.dtype)(h)
+
+
+def test_cast_equals_the_module_built_with_that_dtype():
+  model = MLP()
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, variables, x)
+  want = MLP(dtype=jnp.bfloat16).apply(variables, x)
+  assert got.dtype == jnp.float32  # outputs cast back to the traced dtype
+  np.testing.assert_array_equal(got, want.astype(jnp.float32))
+  assert not np.allclose(got, model.apply(variables, x), rtol=1e-6,
+                         atol=1e-6)
+  # Same types and paths: the float tree's selections still work.
+  dense = yax.query('//module_call[@type="Dense"]', low)
+  assert [d.path for d in dense] == [('Dense_0',), ('Dense_1',)]
+  assert all(d.params['compute_dtype'] == 'bfloat16' for d in dense)
+  norm = yax.query('//module_call[@type="LayerNorm"]', low)[0]
+  assert norm.outputs[0].aval.dtype == jnp.float32
+  same = yax.cast(mox, '//module_call[@path="Dense_1"]', 'bfloat16',
+                  output='float32')
+  assert yax.eval_mox(same, variables, x).dtype == jnp.float32
+  # Under jit and grad, like any tree.
+  grads = jax.jit(jax.grad(lambda v: jnp.sum(yax.eval_mox(low, v, x))))(
+      variables)
+  assert grads['params']['Dense_0']['kernel'].dtype == jnp.float32
+
+
+def test_cast_output_of_the_last_module():
+  model = MLP()
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  # The model's own output: nothing reads it, so it may change dtype, as
+  # the module built with dtype=bfloat16 returns bfloat16.
+  low = yax.cast(mox, '//module_call[@path="Dense_1"]', 'bfloat16',
+                 output='bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, variables, x)
+  want = MLP(head_dtype=jnp.bfloat16).apply(variables, x)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(got, want)
+  assert jax.jit(lambda v: yax.eval_mox(low, v, x))(variables).dtype == \
+      jnp.bfloat16
+  # Dense_0's output is read by the rest of the tree (traced in float32):
+  # refused, with one XPath for the others on the last line.
+  with pytest.raises(yax.SubstitutionError) as info:
+    yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16',
+             output='bfloat16')
+  message = str(info.value)
+  assert "Dense at path 'Dense_0'" in message and 'read further on' in message
+  others = yax.cast(mox, message.splitlines()[-1].strip(), 'bfloat16',
+                    output='bfloat16')
+  np.testing.assert_array_equal(yax.eval_mox(others, variables, x), want)
+
+
+def test_cast_of_bert_dense_layers_beats_hf_bfloat16():
+  from transformers import BertConfig, FlaxBertModel
+  config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=37)
+  model = FlaxBertModel(config, seed=0)
+  ids = jnp.array([[5, 17, 42, 3, 8, 21, 60, 2]])
+  want = model(ids, params=model.params).last_hidden_state
+  mox = yax.make_mox(lambda p, ids: model(ids, params=p).last_hidden_state)(
+      model.params, ids)
+  low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, model.params, ids)
+  hf_bf16 = FlaxBertModel(config, seed=0, dtype=jnp.bfloat16)
+  theirs = hf_bf16(ids, params=model.params).last_hidden_state
+  rel = lambda y: float(jnp.linalg.norm(y.astype(jnp.float32) - want)
+                        / jnp.linalg.norm(want))
+  assert 0 < rel(got) < rel(theirs), (rel(got), rel(theirs))
+  # LayerNorm and the attention softmax stayed float32.
+  for norm in yax.query('//module_call[@type="LayerNorm"]', low):
+    assert norm.outputs[0].aval.dtype == jnp.float32
+  assert yax.query('//module_call[@type="Dense"][@compute_dtype="bfloat16"]',
+                   low)
+
+
+class NNXNet(nnx.Module):
+
+  def __init__(self, rngs, dtype=None):
+    self.lin = nnx.Linear(4, 8, dtype=dtype, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.out = nnx.Linear(8, 3, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.norm(jax.nn.relu(self.lin(x))))
+
+
+def test_nnx_cast_equals_the_modules_built_with_that_dtype():
+  """NNX calls cannot be rebuilt from recorded fields: their traced body
+  runs again on inputs and variables cast at the boundary."""
+  model = NNXNet(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, state, x)
+  reference = NNXNet(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  np.testing.assert_array_equal(got, reference(x).astype(jnp.float32))
+  assert {r.path: r.dtype for r in yax.summary(low)} == {
+      '': 'float32', 'lin': 'bfloat16', 'norm': 'float32', 'out': 'bfloat16'}
+
+
+def test_cast_checks_its_arguments():
+  x = jnp.ones((2, 4))
+  linen = MLP()
+  variables = linen.init(jax.random.key(0), x)
+  lmox = yax.make_mox(linen.apply)(variables, x)
+  with pytest.raises(yax.SubstitutionError, match='must be a floating'):
+    yax.cast(lmox, '//module_call[@type="Dense"]', 'int8')
+  with pytest.raises(yax.SubstitutionError, match='selects module calls'):
+    yax.cast(lmox, '//dot_general')
+
+
+def test_summary_shows_each_calls_compute_dtype():
+  from yax._src.report import summary as _summary
+  model = MLP()
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  assert {r.path: r.dtype for r in yax.summary(mox)} == {
+      '': 'float32', 'Dense_0': 'float32', 'LayerNorm_0': 'float32',
+      'Dense_1': 'float32'}
+  assert not any('dtype' in line and 'path' in line
+                 for line in _summary.format_summary(mox).splitlines())
+  low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+  rows = {r.path: r.dtype for r in yax.summary(low)}
+  assert rows['Dense_0'] == rows['Dense_1'] == 'bfloat16'
+  assert rows['LayerNorm_0'] == 'float32'
+  table = _summary.format_summary(low)
+  assert any('dtype' in line and 'path' in line for line in table.splitlines())
+  q = yax.quantize(mox, variables, '//module_call[@path="Dense_1"]')
+  assert {r.path: r.dtype for r in yax.summary(q.mox)}['Dense_1'] == \
+      'float32 (int8)'

@@ -1,0 +1,2 @@
+"""The ``yax`` command and its bundled example models.
+"""

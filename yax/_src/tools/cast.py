@@ -1,0 +1,264 @@
+"""``yax.cast``: selected module calls compute in another dtype.
+
+Flax computes in the dtype that promotion gives a module's inputs and
+parameters, and a lower compute dtype exists only where a model's author
+plumbed ``dtype=`` through. ``cast`` chooses it per module call, on a model
+someone else wrote: each selected Linen module call is rebuilt from the
+fields the trace recorded, with its ``dtype`` field (where it has one) set
+to the compute dtype, and traced again on its floating inputs and variables
+cast to that dtype at the call's boundary. The body therefore rounds as the
+same module built with ``dtype=compute`` would, and what the module's code
+casts explicitly (an upcast before a softmax or a norm) keeps its dtype. A
+call that cannot be rebuilt (an NNX module) has its traced body run again
+on the cast inputs and variables instead.
+The call's outputs are cast back to their traced dtypes (what the rest of
+the tree reads); stored params do not change, and the call keeps its type,
+path and variables, so selections written for the float tree still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import tree_util as jtu
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.nodes import Equation, Literal, Mox
+from yax._src.rewrite.engine import (describe, leave_out_hint, read_symbols,
+                                     select, substitute)
+from yax._src.trace import eval as _eval
+from yax._src.trace.make import make_mox
+
+
+def _float_dtype(value, what: str):
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise SubstitutionError(
+        f'cast: {what} must be a floating dtype (bfloat16, float16, '
+        f'float32 ...), found {value!r}')
+  return dtype
+
+
+class _Refused(Exception):
+  """Why one selected call cannot be cast (collected, then raised once)."""
+
+
+def _is_float(x) -> bool:
+  dtype = getattr(x, 'dtype', None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _rebuilt(node: Mox, dtype):
+  cls = node.module_ty
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    raise _Refused(f'internal: {node.type_name} is not a Linen module')
+  fields = {f.name for f in dataclasses.fields(cls)
+            if f.init and f.name not in ('parent', 'name')}
+  kwargs = {k: v for k, v in node.params.items() if k in fields}
+  if 'dtype' in fields:
+    kwargs['dtype'] = dtype
+  try:
+    return cls(**kwargs), 'dtype' in fields
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    raise _Refused(f'rebuilding {cls.__name__} from its recorded fields '
+                   f'raised {type(e).__name__}: {e}') from None
+
+
+def _prefixed(expr, prefix: tuple):
+  """``expr`` with every module call's path under ``prefix``."""
+  children = [_prefixed(c, prefix) for c in expr.children]
+  if isinstance(expr, Mox) and not expr.is_ephemeral:
+    return expr.replace(path=(*prefix, *expr.path), children=children)
+  return expr.replace(children=children)
+
+
+def _out_dtypes(node: Mox, output) -> list:
+  """The dtype each output of the new call returns: ``output`` for a
+  floating one where given, else its traced dtype."""
+  return [None if s.aval is None else output
+          if output is not None and _is_float(s.aval) else s.aval.dtype
+          for s in node.outputs]
+
+
+def _replayed(node: Mox, dtype, output=None) -> Mox:
+  """A replacement for a call that cannot be rebuilt (an NNX module): its
+  traced body run again on inputs and variables cast to ``dtype``, every
+  equation at the dtype promotion gives it (an explicit cast in the body
+  keeps its dtype); outputs cast back."""
+  spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+  values = [s.value if isinstance(s, Literal) else spec(s)
+            for s in node.inputs]
+  traced_out = _out_dtypes(node, output)
+
+  def run(values):
+    low = [v.astype(dtype) if _is_float(v) else v for v in values]
+    outs = _eval.Interpreter().run(node, [], low)
+    return [o.astype(t) if _is_float(o) and t else o
+            for o, t in zip(outs, traced_out, strict=True)]
+
+  try:
+    root = make_mox(run)(values)
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    raise _Refused(f'running its body again at {dtype.name} raised '
+                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
+        from None
+  params = {**node.params, 'compute_dtype': dtype.name}
+  if 'dtype' in params:
+    params['dtype'] = dtype
+  call = Mox(root.inputs, root.outputs, params,
+             children=[_prefixed(c, node.path) for c in root.children],
+             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             constvars=root.constvars, consts=root.consts)
+
+
+def _recast(node: Mox, dtype, output) -> Mox:
+  """A replacement for ``node``: the module traced again at ``dtype``."""
+  cls = node.module_ty
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    return _replayed(node, dtype, output)
+  module, has_dtype = _rebuilt(node, dtype)
+  method = getattr(type(module), node.entrypoint or '__call__', None)
+  if not callable(method):
+    raise _Refused(f'its class has no method {node.entrypoint!r}')
+  spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+  variables = (jtu.tree_unflatten(node.var_tree,
+                                  [spec(s) for s in node.var_inputs])
+               if node.num_vars else {})
+  leaves = [s.value if isinstance(s, Literal) else spec(s)
+            for s in node.arg_inputs]
+  args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
+  traced_out = _out_dtypes(node, output)
+
+  def low(x):
+    return x.astype(dtype) if _is_float(x) else x
+
+  def run(variables, args, kwargs):
+    out = module.apply(jtu.tree_map(low, variables), *jtu.tree_map(low, args),
+                       method=method, **jtu.tree_map(low, kwargs))
+    out_leaves, tree = jtu.tree_flatten(out)
+    back = [x.astype(traced) if _is_float(x) and traced else x
+            for x, traced in zip(out_leaves, traced_out, strict=True)]
+    return jtu.tree_unflatten(tree, back)
+
+  try:
+    root = make_mox(run)(variables, args, kwargs)
+  except Exception as e:  # noqa: BLE001 - reported with the module's name
+    # A call traced under a batching transform (nn.vmap) holds its
+    # variables and inputs stacked, which the module's own code does not
+    # take: its traced (batched) body is run again instead.
+    try:
+      return _replayed(node, dtype)
+    except _Refused:
+      pass
+    raise _Refused(f'tracing it again at {dtype.name} raised '
+                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
+        from None
+  if len(root.inputs) != len(node.inputs) or \
+      len(root.outputs) != len(node.outputs):
+    raise _Refused(
+        f'traced again at {dtype.name} it takes {len(root.inputs)} inputs and '
+        f'returns {len(root.outputs)} values, where the traced call had '
+        f'{len(node.inputs)} and {len(node.outputs)}')
+  children = []
+  for child in root.children:  # the apply's own module call is dissolved
+    if isinstance(child, Mox) and not child.is_ephemeral and not child.path:
+      children.extend(_prefixed(c, node.path) for c in child.children)
+    else:
+      children.append(_prefixed(child, node.path))
+  params = dict(node.params)
+  if has_dtype:
+    params['dtype'] = dtype
+  params['compute_dtype'] = dtype.name
+  call = Mox(root.inputs, root.outputs, params, children=children,
+             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             in_tree=root.in_tree, out_tree=root.out_tree,
+             constvars=root.constvars, consts=root.consts)
+
+
+def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
+  """Returns a tree where each selected module call computes in ``compute``.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged).
+  - ``selection``: XPath (or node list) of module calls (Linen or NNX), e.g.
+    ``'//module_call[@type="Dense"]'``.
+  - ``compute``: the floating dtype the selected calls compute in.
+  - ``output``: the dtype of their floating outputs (default: cast back to
+    the traced dtypes, which the rest of the tree reads). Another dtype is
+    for outputs nothing in the tree reads (the model's own outputs, from
+    its last module); for an output read further on it raises
+    ``SubstitutionError``.
+
+  **Returns:** the new tree. Its params are the original ones (stored in
+  their own dtype). Each cast call keeps its type, path and variables; its
+  ``dtype`` field (where the class has one) and ``compute_dtype`` say what
+  it computes in. Raises ``yax.SubstitutionError`` (changing nothing)
+  listing every selected call it cannot cast.
+
+  Example::
+
+      low = yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')
+      y = yax.eval_mox(low, variables, x)   # LayerNorm, softmax stay float32
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(f'cast expects a Mox, found {type(mox).__name__}')
+  dtype = _float_dtype(compute, 'compute')
+  chosen = select(selection, mox)
+  templates, problems = {}, []
+  if output is not None:
+    output = _float_dtype(output, 'output')
+    problems = _output_read(mox, chosen, output)
+  for node in chosen.targets:
+    if isinstance(node, Equation) or node.is_ephemeral:
+      raise SubstitutionError(
+          f'cast selects module calls, but {chosen.description} matched '
+          f'{describe(node)}')
+    if any(node is n for n, _ in problems):
+      continue
+    try:
+      templates[id(node)] = _recast(node, dtype, output)
+    except _Refused as why:
+      problems.append((node, str(why)))
+  if problems:
+    raise SubstitutionError(
+        f'cast cannot make {len(problems)} of the {len(chosen.targets)} '
+        f'module calls selected by {chosen.description} compute in '
+        f'{dtype.name}:\n' + '\n'.join(
+            f'  - {describe(n)}: {why}' for n, why in problems) + '\n' +
+        leave_out_hint([(n, False) for n, _ in problems], selection,
+                       chosen.targets))
+  return substitute(chosen, lambda path, node: templates[id(node)], mox,
+                    retype=output is not None).mox
+
+
+def _output_read(mox: Mox, chosen, output) -> list:
+  """``(call, why)`` for each selected call whose floating output of
+  another dtype than ``output`` is read further on (or inside a lifted
+  transform's body), where its type cannot change."""
+  read = read_symbols(mox)
+  problems = []
+  for node in chosen.targets:
+    if not isinstance(node, Mox):
+      continue
+    changed = [s for s in node.outputs if s.aval is not None and
+               _is_float(s.aval) and s.aval.dtype != output]
+    in_body = any(isinstance(a, Equation) for a in chosen.ancestors[id(node)])
+    if changed and (in_body or any(s in read for s in changed)):
+      problems.append((node, (
+          f'output={output.name}: its output {changed[0].type_str} is read '
+          'further on in the tree, traced to read that dtype (only outputs '
+          "nothing reads, the model's own, may change dtype; leave output= "
+          'out to cast them back)')))
+  return problems

@@ -1,0 +1,318 @@
+"""``yax.fewbit``: few-bit activation gradients.
+
+Novikov et al., "Few-Bit Backward: Quantized Gradients of Activation
+Functions for Memory Footprint Reduction" (2022),
+https://arxiv.org/abs/2202.00441. An element-wise activation ``y = f(x)``
+normally keeps ``x`` (``n * itemsize`` bytes) for its backward pass. Here
+it keeps only which of ``2**bits`` intervals each ``x`` falls in, packed
+into ``ceil(n * bits / 8)`` ``uint8`` bytes, and the backward pass
+multiplies the incoming gradient by the step function's level of that
+interval in place of ``f'(x)``. The forward pass is the activation's own
+computation, so outputs are unchanged bit for bit.
+
+Activations are found by data flow, as :func:`yax.match` finds patterns:
+each supported function is traced at the shapes and dtypes of the
+candidates and matched equation by equation, so a GELU that Hugging Face
+inlines as ``mul``/``erfc`` equations is found as well as a ``nn.gelu``.
+Each match is grouped (``yax.group``) under the activation's name, then
+substituted (``yax.sub``'s engine) by a ``FewBit`` module call whose body
+is one ``custom_vjp`` of the same function.
+
+The step functions (borders and levels) are precomputed by
+``yax/_src/tools/fewbit_solver.py`` and shipped in ``yax/_src/tools/fewbit_tables.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.nodes import Equation, Mox, iter_nodes
+from yax._src.rewrite import pattern as _pattern
+from yax._src.rewrite.engine import describe, select, substitute
+from yax._src.tools.fewbit_tables import TABLES
+from yax._src.trace.make import make_mox, opened
+
+BITS = (1, 2, 3, 4, 8)
+
+
+def _gelu(x):
+  return jax.nn.gelu(x, approximate=False)
+
+
+def _gelu_tanh(x):
+  return jax.nn.gelu(x, approximate=True)
+
+
+# Supported activations, by the name a FewBit call carries. The order is
+# the search order: an activation built from others (Mish from softplus and
+# tanh, SiLU from sigmoid, hard swish from hard sigmoid from ReLU6) is
+# matched before its parts, so its parts are not taken alone.
+ACTIVATIONS: dict[str, Callable] = {
+    'mish': jax.nn.mish,
+    'hard_swish': jax.nn.hard_swish,
+    'gelu_tanh': _gelu_tanh,
+    'gelu': _gelu,
+    'silu': jax.nn.silu,
+    'elu': jax.nn.elu,
+    'hard_sigmoid': jax.nn.hard_sigmoid,
+    'relu6': jax.nn.relu6,
+    'leaky_relu': jax.nn.leaky_relu,
+    'hard_tanh': jax.nn.hard_tanh,
+    'softplus': jax.nn.softplus,
+    'sigmoid': jax.nn.sigmoid,
+    'tanh': jnp.tanh,
+    'relu': jax.nn.relu,
+}
+
+
+def table(name: str, bits: int):
+  """``(borders, levels, rmse)`` of the step function for ``f'``.
+
+  ``borders``: ``2**bits - 1`` increasing floats; ``levels``: ``2**bits``
+  floats, level ``i`` on ``[borders[i-1], borders[i])``; ``rmse``:
+  ``sqrt(E[(f'(x) - s(x))**2])`` for ``x ~ N(0, 1)``.
+  """
+  if name not in TABLES:
+    raise SubstitutionError(
+        f'fewbit has no table for the activation {name!r}; supported: '
+        f'{", ".join(ACTIVATIONS)}')
+  if bits not in TABLES[name]:
+    raise SubstitutionError(
+        f'fewbit supports bits in {BITS}, found bits={bits!r}')
+  return TABLES[name][bits]
+
+
+def encode(name: str, bits: int, x) -> jax.Array:
+  """Interval index of each element of ``x`` (``uint8``, same shape)."""
+  borders = jnp.asarray(table(name, bits)[0], jnp.float32)
+  flat = jnp.ravel(x).astype(jnp.float32)
+  codes = jnp.searchsorted(borders, flat, side='right')
+  return codes.astype(jnp.uint8).reshape(jnp.shape(x))
+
+
+def packed_size(n: int, bits: int) -> int:
+  """Bytes that ``n`` codes of ``bits`` bits take: ``ceil(n * bits / 8)``."""
+  return math.ceil(n * bits / 8)
+
+
+def _group(bits: int) -> tuple[int, int]:
+  """``(codes, bytes)`` of the smallest whole-byte group of codes: 8 codes
+  in 3 bytes at 3 bits, 2 codes in 1 byte at 4 bits."""
+  codes = 8 // math.gcd(8, bits)
+  return codes, codes * bits // 8
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+  """``uint8`` codes below ``2**bits`` -> ``ceil(n * bits / 8)`` bytes;
+  bit ``j`` of code ``i`` is bit ``i * bits + j`` of the little-endian
+  byte stream. Each group of codes is one ``uint32`` word on the way."""
+  flat = jnp.ravel(codes)
+  if bits == 8:
+    return flat
+  n = flat.size
+  g, nbytes = _group(bits)
+  grouped = jnp.pad(flat, (0, -n % g)).reshape(-1, g).astype(jnp.uint32)
+  shifts = jnp.arange(g, dtype=jnp.uint32) * bits
+  words = jnp.sum(grouped << shifts, axis=1, dtype=jnp.uint32)
+  out = (words[:, None] >> (8 * jnp.arange(nbytes, dtype=jnp.uint32))) & 255
+  return out.astype(jnp.uint8).ravel()[:packed_size(n, bits)]
+
+
+def unpack(packed: jax.Array, bits: int, shape) -> jax.Array:
+  """Inverse of :func:`pack`: the codes, in ``shape``."""
+  n = math.prod(shape)
+  if bits == 8:
+    return packed.reshape(shape)
+  g, nbytes = _group(bits)
+  grouped = jnp.pad(packed, (0, -packed.size % nbytes)).reshape(-1, nbytes)
+  shifts = 8 * jnp.arange(nbytes, dtype=jnp.uint32)
+  words = jnp.sum(grouped.astype(jnp.uint32) << shifts, axis=1,
+                  dtype=jnp.uint32)
+  codes = (words[:, None] >> (jnp.arange(g, dtype=jnp.uint32) * bits)) & (
+      2 ** bits - 1)
+  return codes.astype(jnp.uint8).ravel()[:n].reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def fewbit_function(name: str, bits: int) -> Callable:
+  """``f`` with its forward pass and a ``bits``-bit backward pass."""
+  fn = ACTIVATIONS[name]
+  table(name, bits)  # refuse unknown bits before tracing anything
+
+  @jax.custom_vjp
+  def f(x):
+    return fn(x)
+
+  def f_fwd(x):
+    return fn(x), pack(encode(name, bits, x), bits)
+
+  def f_bwd(packed, g):
+    codes = unpack(packed, bits, g.shape)
+    levels = jnp.asarray(table(name, bits)[1], jnp.float32)
+    return ((g.astype(jnp.float32) * levels[codes]).astype(g.dtype),)
+
+  f.defvjp(f_fwd, f_bwd)
+  f.__name__ = f'fewbit_{name}'
+  return f
+
+
+class FewBit(nn.Module):
+  """An activation with a few-bit backward pass; ``name`` is the
+  activation (a key of ``ACTIVATIONS``)."""
+  bits: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    return fewbit_function(self.name, self.bits)(x)
+
+
+def _fewbit_paths(mox: Mox) -> list[tuple]:
+  return [n.path for n in iter_nodes(mox)
+          if isinstance(n, Mox) and n.module_ty is FewBit]
+
+
+def _inside(path: tuple, paths) -> bool:
+  return any(tuple(path[:len(p)]) == tuple(p) for p in paths)
+
+
+def _elementwise(eqn: Equation) -> bool:
+  """Each input has the output's shape or is a scalar; one is an array."""
+  out = tuple(getattr(eqn.outputs[0].aval, 'shape', ()))
+  shapes = [tuple(getattr(s.aval, 'shape', ())) for s in eqn.inputs]
+  return bool(out) and out in shapes and all(s in (out, ()) for s in shapes)
+
+
+def _elementwise_found(nodes) -> list[str]:
+  """Names of the element-wise equations under ``nodes``, for errors."""
+  seen: dict[str, None] = {}
+  for node in nodes:
+    for n in iter_nodes(node):
+      if isinstance(n, Equation) and len(n.outputs) == 1 and not \
+          n.children and n.prim.name not in ('copy', 'convert_element_type') \
+          and _elementwise(n):
+        seen.setdefault(n.params.get('name') or n.prim.name, None)
+  return list(seen)
+
+
+def _within(eqn: Equation) -> set[int]:
+  """Ids of ``eqn`` and of every equation in its bodies, opened ones
+  included (a ``jit``-ed SiLU holds the sigmoid that must not be taken
+  alone)."""
+  ids, stack = set(), [eqn]
+  while stack:
+    node = stack.pop()
+    ids.add(id(node))
+    stack.extend(getattr(node, 'children', ()))
+    if isinstance(node, Equation):
+      holder = opened(node)
+      if holder is not None:
+        stack.extend(holder.children)
+  return ids
+
+
+def _find(mox: Mox, within) -> list[tuple[str, list]]:
+  """``(activation, matches)`` per supported activation, in search order,
+  with no equation in two matches and none inside a FewBit call."""
+  taken: set[int] = set()
+  skip = _fewbit_paths(mox)
+  found = []
+  for name, fn in ACTIVATIONS.items():
+    chosen = []
+    for m in _pattern.match(fn, mox, within=within):
+      if any(id(e) in taken for e in m.equations) or _inside(m.path, skip):
+        continue
+      for e in m.equations:
+        taken |= _within(e)
+      chosen.append(m)
+    if chosen:
+      found.append((name, chosen))
+  return found
+
+
+def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
+  """Gives every supported activation a few-bit backward pass.
+
+  **Arguments:**
+  - ``mox``: the tree; it is not modified.
+  - ``selection``: module calls to search (an XPath expression, a node or
+    a list of nodes), every body under them included; ``None`` searches
+    the whole tree.
+  - ``bits``: bits kept per element, one of 1, 2, 3, 4, 8.
+
+  **Returns:** a new tree in which each activation found is a
+  ``module_call`` of type ``FewBit`` with attributes ``name`` (the
+  activation: ``gelu``, ``gelu_tanh``, ``silu``, ``sigmoid``, ``tanh``,
+  ``softplus``, ``elu``, ``mish``, ``relu``, ``leaky_relu``, ``relu6``,
+  ``hard_sigmoid``, ``hard_tanh``, ``hard_swish``) and ``bits``. Its output
+  is the original's bit for bit; its gradient is the incoming gradient
+  times the activation's step function (the table of docs/memory.md,
+  ``yax/_src/tools/fewbit_tables.py``), and the backward pass keeps
+  ``ceil(n * bits / 8)`` bytes per activation of ``n`` elements.
+
+  Raises ``SubstitutionError`` for ``bits`` outside that list, and when
+  the selection holds no supported activation (naming the element-wise
+  operations it holds).
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'fewbit expects a Mox as the tree, found {type(mox).__name__}')
+  if bits not in BITS:
+    raise SubstitutionError(
+        f'fewbit keeps bits in {BITS} per element, found bits={bits!r}')
+  within = None
+  if selection is not None:
+    within = list(select(selection, mox).targets)
+    calls = [n for n in within if isinstance(n, Mox)]
+    if len(calls) != len(within):
+      raise SubstitutionError(
+          f'fewbit searches module calls, but the selection '
+          f'{describe(selection)} holds '
+          f'{describe(next(n for n in within if not isinstance(n, Mox)))}')
+  found = _find(mox, within)
+  if not found:
+    where = 'the tree' if selection is None else (
+        repr(selection) if isinstance(selection, str) else
+        describe(selection))
+    ops = _elementwise_found(within if within is not None else [mox])
+    raise SubstitutionError(
+        f'fewbit found no supported activation in {where}; found the '
+        f'element-wise operations {", ".join(ops) or "(none)"}; supported: '
+        f'{", ".join(ACTIVATIONS)}')
+  # Group each activation's matches under its name (a FewBit call then
+  # keeps the group's fresh path), one activation at a time: matches are
+  # found again on each grouped tree and kept where they are the same
+  # equations as found on the original (equations are kept by grouping).
+  tree, nodes = mox, []
+  for name, matches in found:
+    wanted = {frozenset(id(e) for e in m.equations) for m in matches}
+    again = [m for m in _pattern.match(ACTIVATIONS[name], tree)
+             if frozenset(id(e) for e in m.equations) in wanted]
+    tree, grouped = _pattern.group_matches(tree, again, name)
+    nodes.extend(grouped)
+  replacement = _Replacement(bits)
+  return substitute(nodes, replacement, tree).mox
+
+
+class _Replacement:
+  """``(path, group node) -> FewBit`` call traced at the node's input."""
+
+  def __init__(self, bits: int):
+    self.bits = bits
+    self.cache: dict = {}
+
+  def __call__(self, path, node: Mox) -> Mox:
+    (x,) = node.arg_inputs
+    key = (node.name, tuple(x.aval.shape), jnp.dtype(x.aval.dtype))
+    traced = self.cache.get(key)
+    if traced is None:
+      module = FewBit(bits=self.bits, name=node.name)
+      spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
+      traced = self.cache[key] = make_mox(module.apply)({}, spec)
+    return traced

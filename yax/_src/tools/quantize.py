@@ -1,0 +1,398 @@
+"""``yax.quantize``: weight quantization of the kernels of selected module
+calls, decided by the contraction as LoRA's adapters are.
+
+Each selected module call keeps its type and path (``quant`` among its
+fields says the format) and now reads its kernel in a storage format:
+``int8``/``int4`` (symmetric absmax integers), ``fp8`` (``float8_e4m3fn``
+scaled so the absmax maps to 448) or ``nf4`` (4-bit codes into the 16
+NormalFloat levels of QLoRA), with one float32 scale per output channel
+(the kernel axes its contraction does not contract) stored next to the
+kernel as ``<kernel>_scale``. The body dequantizes (``q * scale``) before
+the original computation. ``mode='qat'`` keeps float params and
+fake-quantizes the kernel in the forward pass with a straight-through
+gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util as jtu
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
+from yax._src.ir.containers import get_in, set_in, set_many, without
+from yax._src.ir.nodes import Equation, Mox, Var
+from yax._src.ir.variables import NNX_GROUP, VarEntry, is_nnx, with_variables
+from yax._src.rewrite import contraction as _contraction
+from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
+                                     substitute)
+from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
+                                            quantize_array, scale_shape)
+from yax._src.trace import nnx as _nnx
+from yax._src.trace.make import make_mox
+
+@dataclasses.dataclass
+class QuantizeResult:
+  """What ``yax.quantize`` returns.
+
+  Attributes:
+    mox: the rewritten tree.
+    params: the argument to pass where ``params`` went: quantized kernels
+      (``mode='ptq'``) and their scales, everything else unchanged.
+    paths: module paths whose kernels were quantized.
+    nbytes: ``(before, after)`` bytes of all params (4-bit values count
+      half a byte).
+    dequantize: ``dequantize(p)`` returns float params for the original
+      tree.
+  """
+  mox: Mox
+  params: Any
+  paths: list
+  nbytes: tuple
+  dequantize: Callable[[Any], Any]
+
+
+def _fake_quant(w, fmt: str, contracted: tuple, tile=None):
+  """The forward pass sees the quantized kernel, the gradient is the
+  identity (straight-through)."""
+  q, scale = quantize_array(w, fmt, contracted, tile)
+  return w + jax.lax.stop_gradient(
+      dequantize_array(q, scale, fmt, w.dtype, contracted) - w)
+
+
+def _nbytes(tree) -> int:
+  total = 0
+  for leaf in jtu.tree_leaves(tree):
+    dtype = getattr(leaf, 'dtype', np.float32)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      # A PRNG key (an RNG stream's state, ``key<fry>``): NumPy cannot
+      # interpret the dtype; its itemsize is that of the key data.
+      bits = 8 * dtype.itemsize
+    else:
+      dtype = jnp.dtype(dtype)
+      bits = 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+          8 * dtype.itemsize
+    total += math.prod(np.shape(leaf)) * bits / 8
+  return int(math.ceil(total))
+
+
+def _traced(fn, *specs):
+  """The equations of ``fn`` traced at ``specs`` (an ephemeral root)."""
+  return make_mox(fn)(*(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+                        for x in specs))
+
+
+def _act_quant(x, fmt: str, contracted: tuple):
+  """Dynamic activation quantization: ``x`` rounded to ``fmt`` with one
+  absmax scale per row (over the ``contracted`` axes), straight-through."""
+  q, scale = quantize_array(x, fmt, contracted)
+  return x + jax.lax.stop_gradient(
+      dequantize_array(q, scale, fmt, x.dtype) - x)
+
+
+def _x_axes(c) -> tuple | None:
+  """The contracted axes of the module input that feeds a dot_general
+  unchanged but for casts; None where steps move its axes."""
+  if c.kind != 'dot_general' or any(
+      step.prim.name not in ('convert_element_type', 'copy', 'copy_p')
+      for step in c.x_steps):
+    return None
+  (lc, rc), _ = c.dimension_numbers
+  return tuple((lc, rc)[1 - c.kernel_side])
+
+
+def _equation_template(eqn: Equation, act: str) -> Mox:
+  """A weight-free dot_general (attention scores) on quantized inputs."""
+  (lc, rc), _ = eqn.params['dimension_numbers']
+  a, b = (jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
+          for s in eqn.inputs)
+
+  def fn(a, b):
+    return eqn.prim.bind(_act_quant(a, act, tuple(lc)),
+                         _act_quant(b, act, tuple(rc)), **eqn.params)
+  return make_mox(fn)(a, b)
+
+
+def _template(node: Mox, plan, fmt: str, mode: str, act=None,
+              kernel_index=None, tile=None) -> Mox:
+  """``node`` reading its kernel through (de)quantization equations
+  (``kernel_index``: where the kernel is among the node's variables, for a
+  call that reads the kernel of another call's plan, as Embed's lookup
+  reads the table its attend contracts)."""
+  c = plan.contraction
+  index = c.kernel_index if kernel_index is None else kernel_index
+  kernel = node.var_inputs[index]
+  contracted = plan.contracted
+  shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
+  scale_name = f'{plan.kernel_name}_scale'
+  if mode == 'qat':
+    stored = Var(kernel.aval)
+    root = _traced(lambda w: _fake_quant(w, fmt, contracted, tile),
+                   jax.ShapeDtypeStruct(shape, dtype))
+    extra = []
+  else:
+    q_dtype = FORMATS[fmt][0]
+    s_shape = scale_shape(shape, contracted, tile)
+    stored = Var(jax.core.ShapedArray(shape, jnp.dtype(q_dtype)))
+    scale = Var(jax.core.ShapedArray(s_shape, jnp.float32))
+    root = _traced(lambda q, s: dequantize_array(q, s, fmt, dtype, contracted),
+                   jax.ShapeDtypeStruct(shape, q_dtype),
+                   jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    extra = [(scale_name, scale)]
+  children = inline(root, [stored, *(v for _, v in extra)], [kernel])
+  var_inputs = [stored if i == index else s
+                for i, s in enumerate(node.var_inputs)]
+  group, kind = ((NNX_GROUP, 'Param') if is_nnx(node)
+                 else (plan.kernel_keys[0],) * 2)
+  var_inputs, var_tree = with_variables(node, var_inputs, [
+      VarEntry(group, kind, (name,), True, True, sym) for name, sym in extra])
+  arg_inputs = list(node.arg_inputs)
+  constvars, consts = list(root.constvars), list(root.consts)
+  if act is not None:  # the input, quantized per row before the body
+    x = node.inputs[c.x_index]
+    x_in = Var(x.aval)
+    act_root = _traced(lambda v: _act_quant(v, act, _x_axes(c)),
+                       jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype))
+    act_children = inline(act_root, [x_in], [x])
+    children = act_children + children
+    constvars += act_root.constvars
+    consts += act_root.consts
+    arg_inputs = [x_in if s is x else s for s in arg_inputs]
+  call = Mox(var_inputs + arg_inputs, list(node.outputs),
+             {**node.params, 'quant': fmt if mode == 'ptq' else f'{fmt}-qat'},
+             children=children + list(node.children),
+             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=var_tree)
+  return Mox(call.inputs, call.outputs, {}, children=[call],
+             constvars=constvars, consts=consts)
+
+
+def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
+             tile=None, mode='ptq') -> QuantizeResult:
+  """Quantizes the kernels of the selected module calls.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged).
+  - ``params``: the traced argument that holds the parameters (a Linen
+    variables dict, an HF params tree, an ``nnx.State``).
+  - ``selection``: XPath (or node list) of module calls whose kernel
+    reaches a contraction (every layout ``yax.lora`` adapts).
+  - ``weight``: ``'int8'``, ``'int4'``, ``'fp8'`` (``float8_e4m3fn``) or
+    ``'nf4'``; one absmax scale per output channel.
+  - ``mode``: ``'ptq'`` stores the quantized kernels; ``'qat'`` keeps
+    float params and fake-quantizes them in the forward pass with a
+    straight-through gradient.
+  - ``act``: ``None``, ``'int8'`` or ``'fp8'``: also quantize the
+    contraction's other operand dynamically, one scale per row; with it, a
+    selected weight-free ``dot_general`` (attention scores ``q.k``,
+    ``p.v``) has both operands quantized.
+  - ``tile``: ``None`` (one scale per output channel) or a positive int:
+    one scale per ``tile`` elements of the contracted axes (flattened in
+    kernel order), per output channel.
+
+  **Returns:** a :class:`QuantizeResult` (``.mox``, ``.params``,
+  ``.paths``, ``.nbytes``, ``.dequantize``). Integer leaves in ``.params``
+  need ``jax.grad(..., allow_int=True)`` or a mask.
+
+  Example::
+
+      q = yax.quantize(mox, variables, '//module_call[@type="Dense"]',
+                       weight='int8')
+      y = yax.eval_mox(q.mox, q.params, x)
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'quantize expects a Mox, found {type(mox).__name__}')
+  if weight not in FORMATS:
+    raise SubstitutionError(
+        f'quantize: weight must be one of {sorted(FORMATS)}, found {weight!r}')
+  if mode not in ('ptq', 'qat'):
+    raise SubstitutionError(
+        f"quantize: mode must be 'ptq' or 'qat', found {mode!r}")
+  if act not in (None, 'int8', 'fp8'):
+    raise SubstitutionError(
+        f"quantize: act must be None, 'int8' or 'fp8', found {act!r}")
+  if tile is not None and (isinstance(tile, bool) or not isinstance(
+      tile, int) or tile < 1):
+    raise SubstitutionError(
+        f'quantize: tile must be a positive int (elements of the contracted '
+        f'axes per scale) or None (one scale per output channel); found '
+        f'{tile!r}')
+  chosen = select(selection, mox)
+  group = NNX_GROUP if NNX_GROUP in chosen.collections else 'params'
+  prefix = chosen.collections.get(group)
+  if prefix is None or len(prefix) < 2:
+    raise SubstitutionError(
+        "quantize needs the parameters in one argument of the traced "
+        "function, e.g. make_mox(model.apply)(variables, x) or the NNX split "
+        "form make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)")
+  equations, modules, problems = {}, [], []
+  for node in chosen.targets:
+    if isinstance(node, Equation) and node.prim.name == 'dot_general':
+      if act is None:
+        problems.append((node, 'a dot_general with no parameter operand is '
+                         "quantized on its activations: pass act='int8' or "
+                         "act='fp8'"))
+      else:
+        equations[id(node)] = _equation_template(node, act)
+    else:
+      modules.append(node)
+  targets = _contraction.plan_kernels(
+      dataclasses.replace(chosen, targets=tuple(modules)), 'quantize')
+  plans = {}
+  for target in targets:
+    node, plan = target.node, target.plan
+    if plan is None:
+      problems.append((node, target.why))
+      continue
+    kernel = node.var_inputs[plan.contraction.kernel_index]
+    if not target.own:
+      problems.append((node, f'its kernel {kernel.type_str} is not the '
+                       'parameter at its own path (a tied or computed '
+                       'kernel)'))
+      continue
+    if plan.source_perm is not None:
+      problems.append((node, f'its kernel {kernel.type_str} is a slice of a '
+                       'stacked param whose axes a transpose moved before '
+                       'the scan, which quantize does not follow yet'))
+      continue
+    size = math.prod(plan.kernel_shape[i] for i in plan.contracted)
+    if tile is not None and size % tile:
+      problems.append((node, f'tile={tile} does not divide the {size} '
+                       'contracted elements of its kernel '
+                       f'{kernel.type_str}'))
+      continue
+    if act is not None and _x_axes(plan.contraction) is None:
+      problems.append((node, 'act= quantizes the input of a dot_general fed '
+                       'by the module input unchanged; this one is a '
+                       f'{plan.contraction.kind} or reshapes its input first'))
+      continue
+    plans[id(node)] = plan
+  if problems:
+    lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
+    raise SubstitutionError(
+        f'quantize cannot quantize {len(problems)} of the '
+        f'{len(chosen.targets)} module calls selected by '
+        f'{chosen.description}:\n{lines}\n' + leave_out_hint(
+            [(n, False) for n, _ in problems], selection, chosen.targets))
+  # Every reader of a quantized kernel reads it quantized: another call
+  # of the same module (Embed's lookup next to its attend) dequantizes the
+  # same table; any other reader must be selected too.
+  selected = {id(n) for n in chosen.targets}
+  readers = {}  # id -> (reader, plan, kernel index)
+  holders = _contraction.kernel_holders(mox)
+  for target in targets:
+    node = target.node
+    kernel = node.var_inputs[target.plan.contraction.kernel_index]
+    for other in _contraction.other_readers(holders, chosen, target):
+      if id(other) in selected:
+        continue
+      if other.path == node.path and other.module_ty is node.module_ty:
+        readers[id(other)] = (other, target.plan,
+                              other.var_inputs.index(kernel))
+        continue
+      raise SubstitutionError(
+          f'quantize: the kernel of {describe(node)} is also read by '
+          f'{describe(other)}, which is not selected; quantize both or '
+          'neither')
+  if readers:
+    chosen = select([*chosen.targets, *(r for r, _, _ in readers.values())],
+                    mox)
+
+  def make(path, node):
+    if id(node) in equations:
+      return equations[id(node)]
+    if id(node) in readers:
+      _, plan, index = readers[id(node)]
+      return _template(node, plan, weight, mode, None, index, tile)
+    return _template(node, plans[id(node)], weight, mode, act, None, tile)
+
+  done = substitute(chosen, make, mox, retype=(mode == 'ptq'))
+  paths = sorted({tuple(t.node.path) for t in targets})
+  if mode == 'qat':
+    return QuantizeResult(done.mox, params, paths,
+                          (_nbytes(params), _nbytes(params)), lambda p: p)
+  # The new params are where the rewrite put them: each kernel the tree
+  # now reads quantized (per slice of a stacked kernel), its scale next to
+  # it.
+  where = prefix[:2]  # the argument that holds the params
+  plan_at = {t.keypath: t.plan for t in targets}
+  added = {(*done.collections[loc[0]], *loc[1:]): var
+           for loc, var in done.added.items()}
+  values, stored = [], {}
+  for keypath, var in sorted(done.retyped.items(), key=lambda kv: str(kv[0])):
+    plan = plan_at[keypath]
+    scale_path = (*keypath[:-1], f'{plan.kernel_name}_scale')
+    if scale_path not in added:
+      raise SubstitutionError(
+          f'internal: quantize stored {keypath} quantized but placed no '
+          f'scale at {scale_path}')
+    keys = keypath[len(where):]
+    boxed = get_in(params, keys)
+    kernel = unboxed(boxed)
+    stack = var.aval.ndim - len(plan.kernel_shape)
+    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    values.append((keys, boxed_like(boxed, q)))
+    values.append((scale_path[len(where):], scale if group != NNX_GROUP
+                   else _nnx.variable_holding('Param', scale)))
+    stored[keys] = _Stored(plan.kernel_name, plan.contracted, stack,
+                           jnp.dtype(kernel.dtype))
+  new_params = set_many(params, values)
+  new_mox = with_argument_structure(done.mox, where, new_params)
+  return QuantizeResult(
+      new_mox, new_params, paths, (_nbytes(params), _nbytes(new_params)),
+      functools.partial(dequantize, stored=stored, weight=weight))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+  """How one kernel is stored quantized: its name, the axes its scales
+  reduce, how many leading axes stack it (``nn.scan``) and its float
+  dtype."""
+  name: str
+  contracted: tuple
+  stack: int
+  dtype: Any
+
+
+def _per_slice(fn, stack: int):
+  """``fn`` applied to each slice of ``stack`` leading axes."""
+  for _ in range(stack):
+    fn = jax.vmap(fn)
+  return fn
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  """``quantize_array`` per slice, compiled once per kernel shape: run op
+  by op, each of its operations would compile for every new shape."""
+  return _per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                    stack)(kernel)
+
+
+def dequantize(params, *, stored: dict, weight: str):
+  """Float params for the tree ``quantize`` started from: each kernel of
+  ``stored`` (key path in ``params`` -> :class:`_Stored`) dequantized and
+  its scale removed, containers and Variable metadata kept."""
+  out = params
+  for keys, kernel in sorted(stored.items(), key=lambda kv: str(kv[0])):
+    scale_name = f'{kernel.name}_scale'
+    module = get_in(out, keys[:-1])
+    boxed = get_in(out, keys)
+    scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
+    value = _per_slice(functools.partial(
+        dequantize_array, fmt=weight, dtype=kernel.dtype,
+        contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
+    out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),
+                                        (kernel.name,),
+                                        boxed_like(boxed, value)))
+  return out

@@ -1,0 +1,244 @@
+"""``yax.randomized_linear``: a linear layer that keeps a sketch of its input.
+
+A linear layer ``Z = X K`` keeps its input ``X`` (``n`` rows, one per
+position that is not contracted) for the kernel gradient ``X^T G``. Keeping
+a random sketch ``S^T X`` of ``k = ceil(ratio * n)`` rows instead (``S: [n,
+k]`` with iid ``N(0, 1/k)`` entries, or ``+-1/sqrt(k)`` for Rademacher) and
+returning ``(S^T X)^T (S^T G)`` gives an unbiased kernel gradient, since
+``E[S S^T] = I`` (Bershatsky et al. 2022, "Memory-efficient backpropagation
+through large linear layers", the randomized linear layer of fewbit). The
+input gradient ``G K^T`` does not need ``X`` and stays exact, and so does
+the forward pass.
+
+``S`` is drawn from a PRNG key, so the backward pass draws it again instead
+of keeping it: the rewritten tree takes one new root keyword argument,
+``sketch_key``, and each site folds its own index into it. A training loop
+passes a new key every step. Inside ``nn.scan`` bodies the key is a loop
+constant: every layer of the scan draws the same sketch (each gradient is
+still unbiased).
+
+The rewrite replaces the contraction of each selected call (the
+``dot_general`` the kernel plan of ``yax.lora`` finds) through the
+substitution engine; the key is a named input of the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.nodes import Equation, Mox, iter_nodes
+from yax._src.rewrite.contraction import kernel_plan
+from yax._src.rewrite.engine import describe, non_literals, select, substitute
+from yax._src.trace.make import make_mox
+
+KEY_NAME = 'sketch_key'
+KINDS = ('gaussian', 'rademacher')
+
+
+# ------------------------------------------------------- the sketched dot
+
+def _free_axes(ndim: int, contracting, batch) -> list[int]:
+  return [a for a in range(ndim) if a not in contracting and a not in batch]
+
+
+def sketch_matrix(key, n: int, k: int, kind: str, dtype):
+  """``S: [n, k]`` with ``E[S S^T] = I``."""
+  if kind == 'gaussian':
+    s = jax.random.normal(key, (n, k), jnp.float32)
+  else:
+    s = jax.random.rademacher(key, (n, k), jnp.float32)
+  return (s / np.sqrt(k)).astype(dtype)
+
+
+def _sketch_rows(s, value, axes: list[int]):
+  """``S^T`` applied to the positions ``axes`` of ``value`` (flattened in
+  order): those axes become one axis of size ``k`` at ``axes[0]``."""
+  rest = [a for a in range(value.ndim) if a not in axes]
+  flat = jnp.transpose(value, (*axes, *rest)).reshape(
+      (s.shape[0], *(value.shape[a] for a in rest)))
+  out = jnp.tensordot(s.T, flat, axes=1)  # [k, *rest]
+  return jnp.moveaxis(out, 0, axes[0] if axes else 0), rest
+
+
+def sketched_dot(params: dict, x_side: int, x_shape: tuple, ratio: float,
+                 kind: str, site: int):
+  """``dot_general`` with the given params whose backward pass keeps a
+  sketch of operand ``x_side`` (the layer input) instead of the operand."""
+  (lc, rc), (lb, rb) = params['dimension_numbers']
+  xc, kc = ((lc, rc), (rc, lc))[x_side]
+  xb, kb = ((lb, rb), (rb, lb))[x_side]
+
+  def dot(x, w):
+    lhs, rhs = (x, w) if x_side == 0 else (w, x)
+    return jax.lax.dot_general_p.bind(lhs, rhs, **params)
+
+  @jax.custom_vjp
+  def f(lhs, rhs, key):
+    del key
+    return jax.lax.dot_general_p.bind(lhs, rhs, **params)
+
+  def fwd(lhs, rhs, key):
+    x, w = (lhs, rhs) if x_side == 0 else (rhs, lhs)
+    key = jax.random.fold_in(key, site)
+    xf = _free_axes(x.ndim, xc, xb)
+    n = math.prod(x.shape[a] for a in xf)
+    k = max(1, math.ceil(ratio * n))
+    s = sketch_matrix(key, n, k, kind, x.dtype)
+    sx, _ = _sketch_rows(s, x, xf)
+    return jax.lax.dot_general_p.bind(lhs, rhs, **params), (sx, w, key)
+
+  def bwd(res, g):
+    sx, w, key = res
+    x_spec = jax.ShapeDtypeStruct(x_shape, sx.dtype)
+    # The exact input gradient: the transpose of x -> x K.
+    (dx,) = jax.linear_transpose(lambda x: dot(x, w), x_spec)(g)
+    # The kernel gradient from the sketches: the sketched input is an
+    # operand with one free axis of k rows, where the input had n rows.
+    xf = _free_axes(len(x_shape), xc, xb)
+    n = math.prod(x_shape[a] for a in xf)
+    k = sx.shape[xf[0]] if xf else 1
+    s = sketch_matrix(key, n, k, kind, g.dtype)
+    nb, x_nfree = len(xb), len(xf)
+    k_nfree = w.ndim - len(kc) - len(kb)
+    # Where the input's free axes sit in the output: after the batch axes
+    # for the lhs, after the kernel's free axes for the rhs.
+    start = nb if x_side == 0 else nb + k_nfree
+    sg, _ = _sketch_rows(s, g, list(range(start, start + x_nfree)))
+    # Axes of the sketched input: the free axes collapsed into one.
+    keep = [a for a in range(len(x_shape)) if a not in xf[1:]]
+    new = {a: i for i, a in enumerate(keep)}
+    sxc, sxb = tuple(new[a] for a in xc), tuple(new[a] for a in xb)
+    dn = ((sxc, kc), (sxb, kb)) if x_side == 0 else ((kc, sxc), (kb, sxb))
+    sparams = dict(params, dimension_numbers=dn)
+
+    def sdot(w):
+      lhs, rhs = (sx, w) if x_side == 0 else (w, sx)
+      return jax.lax.dot_general_p.bind(lhs, rhs, **sparams)
+    (dw,) = jax.linear_transpose(
+        sdot, jax.ShapeDtypeStruct(w.shape, w.dtype))(sg.astype(g.dtype))
+    return (dx, dw, None) if x_side == 0 else (dw, dx, None)
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+# ----------------------------------------------------------- the rewrite
+
+def _contraction_equation(node: Mox, plan) -> Equation | str:
+  """The one ``dot_general`` of ``node`` that contracts the kernel."""
+  c = plan.contraction
+  want = dict(c.params)
+  found = []
+  for n in iter_nodes(node):
+    if not isinstance(n, Equation) or n.prim.name != 'dot_general':
+      continue
+    if n.params != want or len(n.inputs) != 2:
+      continue
+    x = n.inputs[1 - c.kernel_side]
+    if x.aval is None or (tuple(x.aval.shape), x.aval.dtype) != (
+        tuple(c.operand_aval.shape), c.operand_aval.dtype):
+      continue
+    found.append(n)
+  if len(found) != 1:
+    return (f'{len(found)} dot_general equations of the call look like its '
+            'kernel contraction; select calls that contract their kernel once')
+  return found[0]
+
+
+def _check(ratio, kind) -> float:
+  if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
+      not 0 < ratio <= 1:
+    raise SubstitutionError(
+        f'randomized_linear: ratio must be a number in (0, 1] (the fraction '
+        f'of rows the sketch keeps), found {ratio!r}')
+  if kind not in KINDS:
+    raise SubstitutionError(
+        f'randomized_linear: kind must be one of {", ".join(KINDS)}, found '
+        f'{kind!r}')
+  return float(ratio)
+
+
+def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
+                      kind: str = 'gaussian') -> Mox:
+  """Selected linear layers keep a random sketch of their input for the
+  kernel gradient (unbiased) instead of the input itself.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged).
+  - ``selection``: XPath or node list of module calls that contract a
+    kernel with a ``dot_general`` (every non-convolution layout
+    ``yax.lora`` adapts: Dense, DenseGeneral, Einsum, nnx.Linear ...).
+  - ``ratio``: the sketch keeps ``k = ceil(ratio * n)`` of the input's
+    ``n`` rows (every position that is not contracted).
+  - ``kind``: ``'gaussian'`` (``N(0, 1/k)`` entries) or ``'rademacher'``.
+
+  **Returns:** the new tree. It takes one more keyword argument,
+  ``sketch_key`` (a raw ``jax.random.PRNGKey``), which draws the sketches;
+  pass a new one every training step. ``eval_mox`` without it raises
+  ``yax.SignatureError``. Outputs and input gradients are exact.
+
+  Example::
+
+      new = yax.randomized_linear(mox, '//module_call[@type="Dense"]')
+      loss = lambda p: yax.eval_mox(new, p, x, sketch_key=key).sum()
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'randomized_linear expects a Mox, found {type(mox).__name__}')
+  ratio = _check(ratio, kind)
+  chosen = select(selection, mox)
+  sites, problems = [], []
+  for node in chosen.targets:
+    if not isinstance(node, Mox) or node.is_ephemeral:
+      problems.append((node, 'it is not a module call'))
+      continue
+    plan = kernel_plan(node, 1)
+    if isinstance(plan, str):
+      problems.append((node, plan))
+      continue
+    if plan.contraction.kind != 'dot_general':
+      problems.append((node, 'it is a convolution; randomized_linear '
+                       'sketches dot_general layers only'))
+      continue
+    eqn = _contraction_equation(node, plan)
+    if isinstance(eqn, str):
+      problems.append((node, eqn))
+      continue
+    side_x = 1 - plan.contraction.kernel_side
+    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+    if not _free_axes(eqn.inputs[side_x].aval.ndim, (lc, rc)[side_x],
+                      (lb, rb)[side_x]):
+      problems.append((node, 'its input has no position that is not '
+                       'contracted (one row): there is nothing to sketch'))
+      continue
+    sites.append((eqn, plan.contraction.kernel_side))
+  if problems:
+    lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
+    raise SubstitutionError(
+        f'randomized_linear cannot sketch {len(problems)} of the '
+        f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
+        f'{lines}')
+  side = {id(eqn): (i, 1 - kernel_side)
+          for i, (eqn, kernel_side) in enumerate(sites)}
+  named: dict = {}
+  key_spec = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+  def replace(path, eqn):
+    del path
+    site, x_side = side[id(eqn)]
+    x_shape = tuple(eqn.inputs[x_side].aval.shape)
+    fn = sketched_dot(eqn.params, x_side, x_shape, ratio, kind, site)
+    specs = [jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
+             for s in eqn.inputs]
+    template = make_mox(fn)(*specs, key_spec)
+    named[non_literals(template.inputs)[2]] = KEY_NAME
+    return template
+
+  return substitute([eqn for eqn, _ in sites], replace, mox,
+                    inputs=named).mox

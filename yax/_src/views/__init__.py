@@ -1,0 +1,3 @@
+"""Read-only renderings of a tree: Jaxpr text, the XML view (and JSON,
+YSON), XPath queries over it.
+"""
