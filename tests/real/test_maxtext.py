@@ -210,17 +210,6 @@ LINEN = [pytest.param('llama2', s, id='llama2' + ('-scanned' if s else ''))
          for s in (False, True)]
 
 
-def pending(reason):
-  return pytest.mark.xfail(strict=True, reason=reason)
-
-
-PENDING_MOE_LORA = pending(
-    'open: RoutedMoE holds its three expert kernels (wi_0, wi_1, wo) in one '
-    'module call; lora adapts one kernel per call and refuses it ("the '
-    'output of its contraction goes through ... before the module returns '
-    'it")')
-
-
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize('family,scan', CASES)
@@ -298,22 +287,28 @@ def check_lora(m, selection, stack=()):
     assert_trees_close(jax.jit(m.run)(merged, *m.args), adapted, rtol=1e-4,
                        atol=1e-4)
   for path in res.paths:
-    holder = res.params
+    holder = res.params['params'] if m.linen else res.params
     for key in path:
       holder = holder[key]
     adapters = {k: v for k, v in holder.items() if k.endswith(
         ('lora_a', 'lora_b'))}
     assert adapters, path
     for name, var in adapters.items():
-      assert isinstance(var, nnx.LoRAParam), (path, name)
       kernel = holder[name[:-len('lora_a')].rstrip('_') or 'kernel']
-      meta, kmeta = var.get_metadata(), kernel.get_metadata()
-      for key in ('out_sharding', 'sharding_names'):
-        if key not in kmeta:
-          continue
-        names = tuple(meta[key])
-        knames = tuple(kmeta[key])
-        assert len(names) == np.ndim(var.get_value()), (path, name, key, names)
+      if m.linen:  # Linen params: boxed as the kernel is
+        assert isinstance(var, nn.LogicallyPartitioned), (path, name)
+        assert isinstance(kernel, nn.LogicallyPartitioned), (path, name)
+        given = [('names', var.names, var.value, kernel.names)]
+      else:
+        assert isinstance(var, nnx.LoRAParam), (path, name)
+        meta, kmeta = var.get_metadata(), kernel.get_metadata()
+        given = [(key, meta[key], var.get_value(), kmeta[key])
+                 for key in ('out_sharding', 'sharding_names')
+                 if key in kmeta]
+      assert given, (path, name)
+      for key, names, value, knames in given:
+        names, knames = tuple(names), tuple(knames)
+        assert len(names) == np.ndim(value), (path, name, key, names)
         if stack and set(stack) <= set(knames):  # a stacked kernel
           assert names[:len(stack)] == stack, (path, name, key, names)
           names = names[len(stack):]
@@ -347,20 +342,35 @@ def test_lora_on_scanned_stacks():
   check_lora(build('llama2', True), DENSE, stack=('layers',))
 
 
-@PENDING_MOE_LORA
 def test_lora_on_moe_experts():
-  check_lora(build('mixtral', False),
-             '//module_call[@type="RoutedMoE"][@method="__call__"]')
+  """RoutedMoE contracts its three expert kernels (wi_0, wi_1, wo:
+  [experts, in, out]) in one call, between routing and an activation:
+  each gets its adapters in place, one pair per expert (stacked on the
+  experts axis), named after its kernel."""
+  m = build('mixtral', False)
+  res = check_lora(m, '//module_call[@type="RoutedMoE"][@method="__call__"]',
+                   stack=('exp',))
+  assert len(res.paths) == 2  # one MoE block per layer
+  for path in res.paths:
+    holder = res.params
+    for key in path:
+      holder = holder[key]
+    for kernel in ('wi_0', 'wi_1', 'wo'):
+      experts, n_in, n_out = holder[kernel].get_value().shape
+      assert holder[f'{kernel}_lora_a'].get_value().shape == (
+          experts, n_in, 2)
+      assert holder[f'{kernel}_lora_b'].get_value().shape == (
+          experts, 2, n_out)
 
 
-@pending('open: under a mesh, LogicallyPartitioned.unbox passes every '
-         'kernel through a sharding_constraint before the bridged NNX '
-         'modules read it, so lora finds the kernel "computed in the model"')
 def test_lora_through_the_linen_bridge():
-  m = build('llama2', False, linen=True)
-  with m.context():
-    res = yax.lora(m.mox, m.params, DENSE, rank=2)
-  assert res.paths
+  """Under a mesh, LogicallyPartitioned.unbox passes every kernel through a
+  sharding constraint before the bridged NNX modules read it: still the
+  param. The adapters sit next to it in the Linen params, boxed with
+  their axis names."""
+  res = check_lora(build('llama2', False, linen=True), DENSE)
+  # q, k, v, out, wi_0, wi_1, wo per layer, and the logits projection.
+  assert len(res.paths) == 2 * 7 + 1
 
 
 def test_quantize_int8():

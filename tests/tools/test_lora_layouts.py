@@ -464,3 +464,87 @@ def test_merge_and_quantize_refusals_end_with_one_xpath_for_the_others():
     yax.quantize(mox, variables, selection)
   others = str(info.value).splitlines()[-1].strip()
   assert yax.quantize(mox, variables, others).paths == [('mid',)]
+
+
+# ------------------------------------------------- kernels adapted in place
+
+class NNXExperts(nnx.Module):
+  """MaxText's RoutedMoE dense path, shrunk: three expert kernels
+  [experts, in, out] in one call, between the routing weights and an
+  activation, so no adapter fits around the call."""
+
+  def __init__(self, rngs, experts=3, d=4, h=5):
+    init = lambda *s: nnx.Param(jax.random.normal(rngs.params(), s) * 0.3)
+    self.wi_0, self.wi_1, self.wo = init(experts, d, h), init(
+        experts, d, h), init(experts, h, d)
+    self.gate = nnx.Linear(d, experts, rngs=rngs)
+
+  def __call__(self, x):  # [b, s, d]
+    weights = jax.nn.softmax(self.gate(x))  # [b, s, e]
+    a = jnp.einsum('bsd,edh->bseh', x, self.wi_0[...])
+    b = jnp.einsum('bsd,edh->bseh', x, self.wi_1[...])
+    y = jnp.einsum('bseh,ehd->bsed', jax.nn.silu(a) * b, self.wo[...])
+    return jnp.einsum('bsed,bse->bsd', y, weights)
+
+
+def test_every_kernel_of_a_call_is_adapted_in_place_one_pair_per_expert():
+  model = NNXExperts(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 3, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  res = yax.lora(mox, state, '//module_call[@type="NNXExperts"]', rank=RANK,
+                 alpha=ALPHA, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  assert res.paths == [()]
+  base = run(state, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), base,
+                             **TOL)
+  trained = perturbed(res)
+  reference = nnx.split(model)[1]
+  for name in ('wi_0', 'wi_1', 'wo'):
+    a, b = trained[f'{name}_lora_a'], trained[f'{name}_lora_b']
+    assert isinstance(a, nnx.LoRAParam) and isinstance(b, nnx.LoRAParam)
+    experts, n_in, n_out = state[name][...].shape
+    assert a.shape == (experts, n_in, RANK)
+    assert b.shape == (experts, RANK, n_out)
+    reference[name].value = reference[name][...] + ALPHA / RANK * np.einsum(
+        'eir,ero->eio', a[...], b[...])
+  want = run(reference, x)
+  assert not np.allclose(want, base, **TOL)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(run(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)
+
+
+class GatedMLP(nn.Module):
+  """Two kernels and an activation in one Linen call."""
+
+  @nn.compact
+  def __call__(self, x):
+    up = self.param('up', nn.initializers.normal(0.5), (x.shape[-1], 6))
+    down = self.param('down', nn.initializers.normal(0.5), (6, x.shape[-1]))
+    return jnp.tanh(jnp.tanh(x @ up) @ down)
+
+
+def test_linen_kernels_behind_an_activation_are_adapted_in_place():
+  model = GatedMLP()
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="GatedMLP"]',
+                 rank=RANK, alpha=ALPHA, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), **TOL)
+  trained = perturbed(res)
+  p = trained['params']
+  assert p['up_lora_a'].shape == (4, RANK) and p['up_lora_b'].shape == (
+      RANK, 6)
+  want = model.apply({'params': {
+      'up': p['up'] + ALPHA / RANK * p['up_lora_a'] @ p['up_lora_b'],
+      'down': p['down'] + ALPHA / RANK * p['down_lora_a'] @ p['down_lora_b'],
+  }}, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
+  check_adapter_gradients(res, trained, x)

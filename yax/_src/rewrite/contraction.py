@@ -127,15 +127,23 @@ class _Flat:
   params: dict
   inputs: list  # canonical symbols, or ('literal', value)
   outputs: list
+  # The equation of the tree it stands for (None: an equation of a raw
+  # jaxpr held in a call's params, which a rewrite cannot reach).
+  origin: Equation | None = None
+  # It sits in the body of another module call inside the node (a
+  # submodule that was passed the kernel).
+  nested: bool = False
 
 
 class _Flattener:
   """The equations of a module call's body, with call-like bodies inlined
   and every value named by one canonical object."""
 
-  def __init__(self):
+  def __init__(self, path: tuple = ()):
     self.alias: dict = {}
     self.eqns: list[_Flat] = []
+    self.path = path  # the node's: calls of its other methods are its own
+    self.depth = 0  # calls of other modules entered below the node
 
   def canon(self, sym):
     while sym in self.alias:
@@ -152,7 +160,10 @@ class _Flattener:
   def node_children(self, children):
     for child in children:
       if isinstance(child, Mox):
+        other = child.path != self.path
+        self.depth += other
         self.node_children(child.children)
+        self.depth -= other
       elif child.prim.name in _CALLS and len(child.children) == 1:
         body = child.children[0]
         sources = _rules.body_input_sources(child, 0)
@@ -169,7 +180,7 @@ class _Flattener:
       else:
         self.eqns.append(_Flat(child.prim, dict(child.params),
                                [self._input(s) for s in child.inputs],
-                               list(child.outputs)))
+                               list(child.outputs), child, self.depth > 0))
 
   def raw(self, jaxpr, inputs, outputs):
     jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
@@ -211,11 +222,9 @@ def _is_literal(value) -> bool:
   return isinstance(value, tuple) and len(value) == 2 and value[0] == 'literal'
 
 
-def find(node: Mox, kernel_index: int) -> Contraction | str:
-  """How ``node`` contracts its variable input ``kernel_index``, or why it
-  is none of the layouts a contraction rewrite supports."""
-  flat = _Flattener()
-  flat.node_children(node.children)
+def _kernel_use(flat: _Flattener, node: Mox, kernel_index: int):
+  """The one contraction that reads the kernel: ``(equation, kernel side,
+  kernel layouts by symbol, scaled)``, or why there is none."""
   kernel = flat.canon(node.inputs[kernel_index])
   # symbol -> (perm, view): the kernel's axes in the order perm, reshaped
   # to another shape when ``view`` holds that order's own shape.
@@ -260,7 +269,7 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
       scaled = True
     else:
       return f'its kernel is read by {name}, not only by a contraction'
-  outputs = [flat.canon(s) for s in node.outputs if not isinstance(s, Literal)]
+  outputs = {flat.canon(s) for s in node.outputs if not isinstance(s, Literal)}
   if any(s in derived for s in outputs):
     return 'it returns its kernel'
   if not uses:
@@ -269,9 +278,8 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
     return (f'its kernel is read by {len(uses)} contractions; one adapter '
             'fits one contraction')
   eqn, side = uses[0]
-  name = eqn.prim.name
-  params = dict(eqn.params)
-  if name == 'conv_general_dilated':
+  if eqn.prim.name == 'conv_general_dilated':
+    params = eqn.params
     if side != 1:
       return 'its kernel is the input of its convolution, not the filter'
     if params.get('feature_group_count', 1) != 1 or \
@@ -283,9 +291,24 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
     if derived[eqn.inputs[1]][0] != tuple(range(len(
         derived[eqn.inputs[1]][0]))):
       return 'its convolution reads its kernel transposed'
-  operand = eqn.inputs[1 - side]
-  if _is_literal(operand):
+  if _is_literal(eqn.inputs[1 - side]):
     return 'its contraction reads a constant, not an input of the module'
+  return eqn, side, derived, scaled
+
+
+def find(node: Mox, kernel_index: int) -> Contraction | str:
+  """How ``node`` contracts its variable input ``kernel_index``, or why it
+  is none of the layouts a contraction rewrite supports."""
+  flat = _Flattener()
+  flat.node_children(node.children)
+  used = _kernel_use(flat, node, kernel_index)
+  if isinstance(used, str):
+    return used
+  eqn, side, derived, scaled = used
+  outputs = [flat.canon(s) for s in node.outputs if not isinstance(s, Literal)]
+  name = eqn.prim.name
+  params = dict(eqn.params)
+  operand = eqn.inputs[1 - side]
   # The other operand, back to an input of the module.
   producers = {id(s): e for e in flat.eqns for s in
                (flat.canon(o) for o in e.outputs)}
@@ -349,6 +372,34 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
       x_steps=tuple(reversed(x_steps)), operand_aval=_aval(operand),
       z_aval=_aval(eqn.outputs[0]), y_index=y_index, y_steps=tuple(y_steps),
       scaled=scaled)
+
+
+def find_site(node: Mox, kernel_index: int):
+  """The contraction that reads ``node``'s variable input ``kernel_index``,
+  to adapt in place: ``(Contraction, the equation)``, or why there is none.
+  Its operand and output are whatever the module computes them from and
+  does with them (a MoE's routed inputs, an activation after it), so the
+  Contraction has no steps: the adapter reads the operand as the
+  contraction does and adds to the contraction's own output."""
+  flat = _Flattener(node.path)
+  flat.node_children(node.children)
+  used = _kernel_use(flat, node, kernel_index)
+  if isinstance(used, str):
+    return used
+  eqn, side, derived, scaled = used
+  if eqn.origin is None:
+    return (f'its {eqn.prim.name} sits in a call body held as a raw jaxpr, '
+            'which a rewrite cannot reach')
+  if eqn.nested:
+    return (f'its {eqn.prim.name} sits in the body of another module call '
+            'that the module passes its kernel to')
+  operand = eqn.inputs[1 - side]
+  return Contraction(
+      kernel_index=kernel_index, kind=eqn.prim.name,
+      params=tuple(sorted(eqn.params.items())), kernel_side=side,
+      perm=derived[eqn.inputs[side]][0], x_index=1 - side, x_steps=(),
+      operand_aval=_aval(operand), z_aval=_aval(eqn.outputs[0]), y_index=0,
+      y_steps=(), scaled=scaled), eqn.origin
 
 
 def _aval(sym):
@@ -436,6 +487,10 @@ class KernelPlan:
   # (MaxText's scanned layers, stacked on axis 1): the scanned array's axis
   # j is the param's axis source_perm[j]. Adapters stack on axis 0.
   source_perm: tuple | None = None
+  # The contraction equation to rewrite in place (``kernel_plans``: the
+  # adapter reads its operand and adds to its output inside the module's
+  # body); None: the adapter goes around the module call.
+  site: Equation | None = None
 
   @property
   def kernel_name(self) -> str:
@@ -495,7 +550,36 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
     names = ', '.join('/'.join(keys[i]) for i, _ in found)
     return (f'it contracts several kernels ({names}); select the modules '
             'that hold one kernel each')
-  index, c = found[0]
+  return _plan(node, *found[0], rank)
+
+
+def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
+  """Every kernel ``node`` contracts: its one kernel adapted around the
+  call where :func:`kernel_plan` finds one; else each of its kernels
+  adapted in place, at the contraction that reads it (``KernelPlan.site``:
+  a MoE's expert kernels, a kernel whose output goes through an
+  activation before the module returns it). Kernels with no such
+  contraction are left out; the reason of :func:`kernel_plan` when none
+  has one."""
+  one = kernel_plan(node, rank)
+  if isinstance(one, KernelPlan):
+    return [one]
+  plans = []
+  for i in _own_params(node):
+    if node.var_inputs[i].aval is None or node.var_inputs[i].aval.ndim < 2:
+      continue
+    got = find_site(node, i)
+    if isinstance(got, str):
+      continue
+    plan = _plan(node, i, got[0], rank, site=got[1])
+    if isinstance(plan, KernelPlan):
+      plans.append(plan)
+  return plans or one
+
+
+def _plan(node: Mox, index: int, c: Contraction, rank: int,
+          site: Equation | None = None) -> KernelPlan | str:
+  keys = var_keys(node)
   shape = tuple(node.var_inputs[index].aval.shape)
   stack = ()
   if c.kind == 'dot_general':
@@ -504,6 +588,8 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
     contracted = sorted(c.perm[a] for a in kc)
     stack = _stacked_axes(node, index, sorted(
         c.perm[a] for a in (lb, rb)[c.kernel_side]))
+    if site is not None and not stack:
+      stack = _leading_axes(shape, contracted)
     other = [v for v in range(len(shape))
              if v not in contracted and v not in stack]
     a_axes, b_axes = (*stack, *contracted, None), (*stack, None, *other)
@@ -519,7 +605,21 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
             'values before its contraction (a computed kernel that merge '
             'could not update)')
   return KernelPlan(c, keys[index], shape, size(a_axes), size(b_axes),
-                    a_axes, b_axes, quant=quant, stack=stack)
+                    a_axes, b_axes, quant=quant, stack=stack, site=site)
+
+
+def _leading_axes(shape: tuple, contracted: list) -> tuple:
+  """The kernel axes before its contracted ones, where others follow them
+  too: a stack of matrices (MaxText's experts, ``[experts, in, out]``),
+  one adapter pair per slice. A kernel adapted in place only (one adapted
+  around its call keeps the layout of the SPEC's ``B: [rank, *other
+  axes]``)."""
+  if not contracted:
+    return ()
+  first, last = min(contracted), max(contracted)
+  if first == 0 or last == len(shape) - 1:
+    return ()
+  return tuple(range(first))
 
 
 def _stacked_axes(node: Mox, index: int, batch: list) -> tuple:
@@ -568,12 +668,14 @@ def kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
   before a scan sliced it (see ``KernelPlan.source_perm``), or None."""
   chain = list(ancestors)
   i = len(chain) - 1
+  end = len(chain)  # chain[i:end]: the calls of the current scope
   perm = None
   while i >= 1:
     body, eqn = chain[i], chain[i - 1]
     if not isinstance(eqn, Equation):
       i -= 1
       continue
+    sym = _unconstrained(chain[i:end], sym, keypaths)
     positions = [j for j, s in enumerate(body.inputs) if s is sym]
     if not positions:
       return None, f'computed inside the body of {describe(eqn)}', None
@@ -581,12 +683,31 @@ def kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):
     sym = _rules.body_input_sources(eqn, index)[positions[0]]
     if eqn.prim.name == 'scan' and i >= 2 and sym not in keypaths:
       sym, perm = _untransposed(chain[i - 2], sym)
+    end = i - 1
     i -= 2
+  sym = _unconstrained(chain[:end], sym, keypaths)
   if sym in keypaths:
     return keypaths[sym], None, perm
   if any(sym is c for c in chain[0].constvars):
     return None, 'a constant captured by the trace', None
   return None, 'computed in the model', None
+
+
+def _unconstrained(scopes, sym, keypaths):
+  """``sym``, or the value a ``sharding_constraint`` among the children of
+  ``scopes`` (calls that share one scope of symbols) constrained into it:
+  a constraint only says where a value lives (Linen's
+  ``LogicallyPartitioned.unbox`` constrains every param under a mesh
+  before an NNX module bridged by ``ToLinen`` reads it)."""
+  while sym not in keypaths:
+    producer = next((c for scope in scopes for c in scope.children
+                     if isinstance(c, Equation)
+                     and c.prim.name == 'sharding_constraint'
+                     and c.outputs[0] is sym), None)
+    if producer is None or isinstance(producer.inputs[0], Literal):
+      return sym
+    sym = producer.inputs[0]
+  return sym
 
 
 def _untransposed(scope, sym):
@@ -636,11 +757,13 @@ class Target:
   own: bool
 
 
-def plan_kernels(chosen, tool: str, rank: int = 1) -> list[Target]:
+def plan_kernels(chosen, tool: str, rank: int = 1,
+                 every: bool = False) -> list[Target]:
   """The kernel of every module call of the selection ``chosen`` (a
   ``Selection``): its plan and where it comes from, looked for through
-  the bodies of lifted transforms (``nn.jit``, ``nn.scan`` ...). Raises
-  ``SubstitutionError`` naming ``tool`` where the selection holds
+  the bodies of lifted transforms (``nn.jit``, ``nn.scan`` ...). With
+  ``every``, one target per kernel a call contracts (:func:`kernel_plans`).
+  Raises ``SubstitutionError`` naming ``tool`` where the selection holds
   something else than module calls."""
   keypaths, collections = chosen.keypaths, chosen.collections
   out = []
@@ -649,19 +772,20 @@ def plan_kernels(chosen, tool: str, rank: int = 1) -> list[Target]:
       raise SubstitutionError(
           f'{tool} selects module calls, but {chosen.description} matched '
           f'{describe(node)}')
-    plan = kernel_plan(node, rank)
-    if isinstance(plan, str):
-      out.append(Target(node, None, plan, None, None, False))
+    plans = kernel_plans(node, rank) if every else kernel_plan(node, rank)
+    if isinstance(plans, str):
+      out.append(Target(node, None, plans, None, None, False))
       continue
-    kernel = node.var_inputs[plan.contraction.kernel_index]
-    keypath, source, perm = kernel_source(
-        kernel, chosen.ancestors[id(node)], keypaths)
-    prefix = collections.get(plan.kernel_keys[0])
-    own = (keypath is not None and prefix is not None and
-           same_place(keypath, (*prefix, *node.path, *plan.kernel_keys[1:])))
-    if own and perm is not None:
-      plan = dataclasses.replace(plan, source_perm=perm)
-    out.append(Target(node, plan, None, keypath, source, own))
+    for plan in (plans if every else [plans]):
+      kernel = node.var_inputs[plan.contraction.kernel_index]
+      keypath, source, perm = kernel_source(
+          kernel, chosen.ancestors[id(node)], keypaths)
+      prefix = collections.get(plan.kernel_keys[0])
+      own = (keypath is not None and prefix is not None and same_place(
+          keypath, (*prefix, *node.path, *plan.kernel_keys[1:])))
+      if own and perm is not None:
+        plan = dataclasses.replace(plan, source_perm=perm)
+      out.append(Target(node, plan, None, keypath, source, own))
   return out
 
 

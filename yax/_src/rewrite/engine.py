@@ -128,7 +128,7 @@ def _locate(root: Mox) -> Located:
   prefix: dict[str, tuple] = {}
   # Module calls inside bodies (nn.jit, nn.scan ...) count too: a body
   # input stands for the equation input it receives (``alias``).
-  stack = [(c, {}, {}) for c in root.children]
+  stack = [(c, {}, {}, True) for c in root.children]
   # Where each collection sits: the prefix most variables agree on (the
   # root call of a nested Module.apply reads weights of another module
   # under a path of its own: it must not decide).
@@ -138,7 +138,8 @@ def _locate(root: Mox) -> Located:
     # ``moved``: in this scope, a param transposed before a scan slices
     # it (nn.scan with variable_axes={'params': 1}, MaxText's scanned
     # layers): the scanned slices are the param's.
-    node, alias, moved = stack.pop()
+    # ``root_scope``: the node reads symbols of the root scope.
+    node, alias, moved, root_scope = stack.pop()
     if isinstance(node, Equation):
       for index, body in enumerate(node.children):
         outer = _rules.body_input_sources(node, index)
@@ -146,12 +147,21 @@ def _locate(root: Mox) -> Located:
           outer = [moved.get(o, o) for o in outer]
         inner = {b: alias.get(o, o)
                  for b, o in zip(body.inputs, outer, strict=True)}
-        stack.extend((c, {**alias, **inner}, {}) for c in body.children)
+        stack.extend((c, {**alias, **inner}, {}, False)
+                     for c in body.children)
       continue
     inside = {c.outputs[0]: c.inputs[0] for c in node.children
               if isinstance(c, Equation) and c.prim.name == 'transpose'
               and not isinstance(c.inputs[0], Literal)}
-    stack.extend((c, alias, inside) for c in node.children)
+    # A param passed through a sharding constraint is still that param
+    # (Linen's LogicallyPartitioned.unbox under a mesh, before the NNX
+    # modules a ToLinen bridge merges read it).
+    constrained = {c.outputs[0]: alias.get(c.inputs[0], c.inputs[0])
+                   for c in node.children if isinstance(c, Equation)
+                   and c.prim.name == 'sharding_constraint'
+                   and not isinstance(c.inputs[0], Literal)}
+    scope = {**alias, **constrained} if constrained else alias
+    stack.extend((c, scope, inside, root_scope) for c in node.children)
     if node.is_ephemeral:
       continue
     for loc, sym in _var_locs(node):
@@ -159,7 +169,7 @@ def _locate(root: Mox) -> Located:
       keypath = keypaths.get(alias.get(sym, sym))
       if keypath is None:
         continue  # not read from the arguments (computed inside fn)
-      if not alias:  # a symbol of the root scope
+      if root_scope and sym in keypaths:  # a root argument itself
         locs.setdefault(loc, sym)
       tail = tuple(loc[1:])
       if len(keypath) > len(tail) and tuple(
@@ -173,6 +183,12 @@ def _locate(root: Mox) -> Located:
   for collection, counts in votes.items():
     prefix[collection] = max(counts, key=lambda p: (counts[p], -len(p)))
   return Located(keypaths, locs, prefix, frozenset(used_paths))
+
+
+# A replacement module call for an equation whose params hold this key
+# (True) sits at the path of the module call around the equation, and its
+# variables are that module's own; without it, it is a new child module.
+IN_PLACE = 'in_place'
 
 
 @dataclasses.dataclass
@@ -528,7 +544,12 @@ class _Substitution:
       name = template.name if template.name is not None else getattr(
           node, 'name', None)
       node_path = getattr(node, 'path', ())
-      if isinstance(node, Equation) and template.num_vars:
+      if isinstance(node, Equation) and template.params.get(IN_PLACE):
+        # In place of an equation, a module call at the enclosing module's
+        # own path: its variables are that module's (LoRA's adapters of a
+        # kernel the module contracts in its body).
+        new_path = self.enclosing_path()
+      elif isinstance(node, Equation) and template.num_vars:
         # A new module with variables in place of an equation: a child of
         # the enclosing module, one per site (PReLU_0, PReLU_1 ...).
         new_path = self._site_path(template)

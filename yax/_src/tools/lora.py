@@ -26,9 +26,23 @@ path and shows an XPath predicate that leaves the module out:
   adapter there would land where the module's kernel is not (for a nested
   apply: at the root of the params tree, shared by every such head);
 * a module whose kernel is not contracted in a way an adapter fits (see
-  ``yax/_src/rewrite/contraction.py``: the kernel must reach one ``dot_general`` or
-  ungrouped convolution, whose output reaches the module output through
-  casts, reshapes, transposes and added biases only).
+  ``yax/_src/rewrite/contraction.py``: the kernel must reach one
+  ``dot_general`` or ungrouped convolution, and nothing else).
+
+Where the module holds one kernel whose contraction reads an input of the
+call and whose output reaches the call's output linearly (casts, reshapes,
+transposes, added biases), the adapter goes around the call. Otherwise
+every kernel the call contracts is adapted in place: the contraction
+equation in the module's body becomes a ``LoRA`` call (at the module's
+path) that adds the adapter, computed from the contraction's own operand,
+to the contraction's output. That covers several kernels in one call (a
+MoE's ``wi_0``/``wi_1``/``wo``; each pair is then named after its kernel,
+``wi_0_lora_a``), operands computed in the module (routed tokens, a
+clipped input) and outputs that go through an activation. A kernel
+adapted in place whose leading axes come before its contracted axes, with
+other axes after them (``[experts, in, out]``), is a stack of matrices:
+one adapter pair per slice, ``A: [experts, in, rank]``, ``B: [experts,
+rank, out]``.
 
 Which layers are adapted is decided by the contraction, not the class:
 ``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
@@ -58,10 +72,11 @@ from jax import tree_util as jtu
 from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
 from yax._src.ir.containers import get_in, set_in, set_many, without
-from yax._src.ir.nodes import Mox, Symbol, Var
+from yax._src.ir.nodes import Literal, Mox, Symbol, Var
 from yax._src.ir.variables import NNX_GROUP, VarEntry, is_nnx, with_variables
 from yax._src.rewrite import contraction as _contraction
-from yax._src.rewrite.engine import (Selection, collections_of, describe,
+from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
+                                     describe,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_array
 from yax._src.trace import nnx as _nnx
@@ -133,7 +148,10 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int,
   a_sub = lead + ''.join(var[v] for v in contracted) + 'r'
   b_sub = lead + 'r' + ''.join(var[v] for v in range(k_ndim)
                                if v not in contracted and v not in stack)
-  h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + 'r'
+  # A stack axis the operand lacks (experts, ``[experts, in, out]`` read
+  # by ``BSM,EMH->BSEH``) is one of h's axes too: one A per slice.
+  h_sub = ''.join(xs[i] for i in range(x_ndim) if i not in xc) + ''.join(
+      var[v] for v in stack if var[v] not in xs) + 'r'
   batch = ''.join(xs[i] for i in xb)
   x_free = ''.join(xs[i] for i in range(x_ndim) if i not in xc and i not in xb)
   k_free = ''.join(op[j] for j in range(k_ndim) if j not in kc and j not in kb)
@@ -242,6 +260,43 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: f
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=var_tree)
+
+
+def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
+                   alpha: float) -> Mox:
+  """A ``LoRA`` module call in place of the contraction equation
+  ``plan.site`` inside ``node``'s body, at ``node``'s path: the
+  contraction, then the adapter on its operand added to its output. Its
+  variables are the adapters, which the rewrite adds to ``node``'s own."""
+  c, eqn = plan.contraction, plan.site
+  kernel = node.var_inputs[c.kernel_index]
+  args = [s if isinstance(s, Literal) else Var(s.aval) for s in eqn.inputs]
+  x = args[c.x_index]
+  z = Var(eqn.outputs[0].aval)
+  dtype = adapter_dtype(kernel, c)
+  adapter = _adapter_mox(plan, x.aval, z.aval, dtype, alpha / rank)
+  a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
+  b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
+  out = Var(z.aval)
+  children = [eqn.replace(inputs=args, outputs=[z]),
+              *inline(adapter, [z, x, a, b], [out])]
+  if is_nnx(node):
+    group, kind = NNX_GROUP, 'LoRAParam'
+  else:
+    group = kind = plan.kernel_keys[0]
+  bare = Mox([], [], module_ty=LoRA)
+  var_inputs, var_tree = with_variables(bare, [], added=[
+      VarEntry(group, kind, (name,), True, True, sym)
+      for name, sym in zip(plan.names, (a, b), strict=True)])
+  arg_inputs = [s for s in args if not isinstance(s, Literal)]
+  return Mox(var_inputs + arg_inputs, [out],
+             {'name': node.name, 'rank': rank, 'alpha': alpha,
+              'base': eqn.prim.name, 'kernel': plan.kernel_name,
+              IN_PLACE: True},
+             children=children, module_ty=LoRA, entrypoint='__call__',
+             path=node.path, in_tree=jtu.tree_structure((tuple(arg_inputs),
+                                                         {})),
+             out_tree=jtu.tree_structure(out), var_tree=var_tree)
 
 
 def _refuse(problems, chosen: Selection, selection):
@@ -355,7 +410,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     if selection == _DEFAULT_SELECTION:
       selection = '//module_call[@type="Linear"]'
   chosen = select(selection, mox)
-  targets = _contraction.plan_kernels(chosen, 'lora', rank)
+  targets = _contraction.plan_kernels(chosen, 'lora', rank, every=True)
   prefix = collections.get(group)
   if prefix is not None and len(prefix) < 2:
     raise SubstitutionError(
@@ -372,29 +427,35 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   keypaths = chosen.keypaths
   adapter_places = {kp for kp in keypaths.values()
                     if kp and _is_adapter_name(kp[-1])}
-  problems, plans = [], {}
+  # Per module call, the first reason it cannot be adapted; the plans of
+  # the kernels it can, by (call, kernel position).
+  problems: dict = {}
+  plans: dict = {}
   for target in targets:
     node, plan = target.node, target.plan
+    if id(node) in problems:
+      continue
     ancestors = chosen.ancestors[id(node)]
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
                     and a.module_ty is LoRA), None)
     held = sorted(n for n in _contraction.own_param_names(node)
                   if _is_adapter_name(n))
     if node.module_ty is LoRA:
-      problems.append((node, 'it is a LoRA adapter already', False))
+      problems[id(node)] = (node, 'it is a LoRA adapter already', False)
       continue
     if wrapper is not None:
-      problems.append((node, 'it already carries an adapter (it is wrapped '
-                       f'by the LoRA call at path {_path_str(wrapper)!r})',
-                       wrapper in ancestors[-1:]))
+      problems[id(node)] = (
+          node, 'it already carries an adapter (it is wrapped by the LoRA '
+          f'call at path {_path_str(wrapper)!r})', wrapper in ancestors[-1:])
       continue
     if held:
-      problems.append((node, 'it already carries an adapter (its params hold '
-                       f'{held})', False))
+      problems[id(node)] = (node, 'it already carries an adapter (its '
+                            f'params hold {held})', False)
       continue
     if plan is None:
-      problems.append((node, target.why, False))
+      problems[id(node)] = (node, target.why, False)
       continue
+    pkey = (id(node), plan.contraction.kernel_index)
     kernel = node.var_inputs[plan.contraction.kernel_index]
     method = node.entrypoint if node.entrypoint not in (None, '__call__') \
         else None
@@ -406,12 +467,12 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       if any(p[:-1] == keypath[:-1] and p[-1] in (
           *names, *(f'{plan.kernel_name}_{n}' for n in names))
              for p in adapter_places):
-        problems.append((node, 'it already carries an adapter (the traced '
-                         f'arguments hold {_arg_str(keypath[:-1])}'
-                         f'[{names[0]!r}/{names[1]!r}])', False))
+        problems[id(node)] = (node, 'it already carries an adapter (the '
+                              f'traced arguments hold {_arg_str(keypath[:-1])}'
+                              f'[{names[0]!r}/{names[1]!r}])', False)
         continue
-      plans[id(node)] = dataclasses.replace(plan, names=names,
-                                            place=tuple(node.path))
+      plans[pkey] = dataclasses.replace(plan, names=names,
+                                       place=tuple(node.path))
       continue
     # A head applied through a nested Module.apply with a kernel it does
     # not own (a tied embedding, transposed): its adapter sits at the call
@@ -420,60 +481,70 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
              else target.source)
     caller = next((a for a in reversed(ancestors) if isinstance(a, Mox)
                    and not a.is_ephemeral), None)
-    if node.path or not node.name or caller is None:
-      problems.append((
+    if node.path or not node.name or caller is None or plan.site is not None:
+      problems[id(node)] = (
           node, f'its kernel {kernel.type_str} is {found}, not the parameter '
           f'{_arg_str(own_place)}, so an adapter would not sit next to its '
-          'kernel in the params tree', False))
+          'kernel in the params tree', False)
       continue
     place = (*caller.path, node.name)
     if any(_contraction.same_place(kp[:len(prefix) + len(place)],
                                    (*prefix, *place))
            for kp in keypaths.values()):
-      problems.append((
+      problems[id(node)] = (
           node, f'its kernel {kernel.type_str} is {found}; its call-site '
           f'adapter would go to {_arg_str((*prefix, *place))}, which holds '
-          'variables of another module', False))
+          'variables of another module', False)
       continue
-    plans[id(node)] = dataclasses.replace(
+    plans[pkey] = dataclasses.replace(
         plan, names=names, place=place,
         tied=f'its kernel is {found} (a head tied to an embedding)')
   if problems:
-    _refuse(problems, chosen, selection)
+    _refuse(list(problems.values()), chosen, selection)
+  by_node = {id(t.node): t.node for t in targets}
   # A kernel read by a call that does not carry the same adapter (an
   # embedding lookup next to Embed.attend, a Param shared by two NNX
   # modules): the adapter sits at this call site and is never merged.
   holders = _contraction.kernel_holders(mox)
   for target in targets:
-    node = target.node
-    plan = plans[id(node)]
+    pkey = (id(target.node), target.plan.contraction.kernel_index)
+    plan = plans[pkey]
     if plan.tied is not None:
       continue
     others = [
         h for h in _contraction.other_readers(holders, chosen, target)
-        if not (id(h) in plans and plans[id(h)].place == plan.place
-                and plans[id(h)].names == plan.names)]
+        if not any(k[0] == id(h) and p.place == plan.place
+                   and p.names == plan.names for k, p in plans.items())]
     if others:
-      plans[id(node)] = dataclasses.replace(plan, tied=(
+      plans[pkey] = dataclasses.replace(plan, tied=(
           'its kernel is also read by ' + ', '.join(sorted(
               {f'{describe(h)} (method {h.entrypoint})' for h in others}))))
-  # Where one scope holds several adapted kernels (nn.share_scope), each
-  # pair is named after its kernel: 'linear_lora_a'.
+  # Where one scope holds several adapted kernels (nn.share_scope, a MoE's
+  # expert kernels), each pair is named after its kernel: 'wi_0_lora_a'.
   kernels_at: dict = {}
-  for node in chosen.targets:
-    plan = plans[id(node)]
+  for plan in plans.values():
     kernels_at.setdefault((plan.place, plan.names), set()).add(
         plan.kernel_name)
-  for node in chosen.targets:
-    plan = plans[id(node)]
+  for pkey, plan in plans.items():
     if len(kernels_at[(plan.place, plan.names)]) > 1:
-      plans[id(node)] = dataclasses.replace(plan, names=tuple(
+      plans[pkey] = dataclasses.replace(plan, names=tuple(
           f'{plan.kernel_name}_{n}' for n in plan.names))
+  # What the rewrite replaces: the call (an adapter around it), or the
+  # contraction equations of the kernels adapted in place.
+  replaced = {}
+  for (node_id, _), plan in plans.items():
+    node = by_node[node_id]
+    item = node if plan.site is None else plan.site
+    replaced[id(item)] = (item, node, plan)
 
-  def make(path, node):
-    return _lora_template(node, plans[id(node)], rank, alpha)
+  def make(path, item):
+    _, node, plan = replaced[id(item)]
+    if plan.site is None:
+      return _lora_template(node, plan, rank, alpha)
+    return _site_template(node, plan, rank, alpha)
 
-  done = substitute(chosen, make, mox)
+  sites = select([item for item, _, _ in replaced.values()], mox)
+  done = substitute(sites, make, mox)
   if done.collections.get(group) != prefix:
     raise SubstitutionError(
         f"internal: the params collection moved from {_arg_str(prefix)} to "
@@ -481,8 +552,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
 
   inside = tuple(prefix[2:])  # keys of the collection inside `params`
   adapted = {}  # (module path, adapter name) -> plan
-  for node in chosen.targets:
-    plan = plans[id(node)]
+  for plan in plans.values():
     for name in plan.names:
       adapted[(tuple(plan.place), name)] = plan
   # Initial values on the host, from one generator seeded by ``key``: no
@@ -501,7 +571,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     kernel = _get_or_none(params, (*inside, *loc[1:-1], plan.kernel_name))
     is_a = loc[-1] == plan.names[0]
     value = _adapter_value(unboxed(kernel), plan, is_a, shape, dtype, rng)
-    box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP)
+    # A Linen box (a bridged NNX model's params, ToLinen): the adapter too.
+    box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP and not
+                       isinstance(kernel, nn.meta.AxisMetadata))
     value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))
@@ -515,7 +587,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   tied = [(path, plan) for (path, _), plan in merges if plan.tied]
   refusal = None
   if tied:
-    heads = [(n, False) for n in chosen.targets if plans[id(n)].tied]
+    heads = [(by_node[k[0]], False) for k, p in plans.items() if p.tied]
     refusal = (
         'merge: ' + '; '.join(
             f"the adapter at params"
