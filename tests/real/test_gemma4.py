@@ -384,7 +384,7 @@ def test_conformer_audio_encoder_trace_replay_lora():
   assert len(yax.query('//module_call[@type="ConformerLayer"]', mox)) == 2
   assert top_row(mox).params == n_params(variables)
   # The subsampling's output projection (nn.DenseGeneral); the Conformer's
-  # ClippedEinsums clip their inputs and are refused (see the vision test).
+  # ClippedEinsums, adapted in place, are checked on the vision encoder.
   check_lora(mox, variables, '//module_call[@type="DenseGeneral"]'
              '[@name="input_proj"]', call, (feats, mask))
 

@@ -593,3 +593,67 @@ def test_sow_debug_print_and_embed_attend():
   expected = model.apply(variables, ids, mutable=['intermediates'])
   assert_trees_close(
       yax.eval_mox(mox, variables, ids, mutable=['intermediates']), expected)
+
+
+class _ScanStep(nn.Module):
+  @nn.compact
+  def __call__(self, c, _):
+    h = jnp.tanh(nn.Dense(6, name='dense')(c))
+    return h + nn.Dense(6, use_bias=False, name='other')(c), None
+
+
+class _ScanOnAxis(nn.Module):
+  """Three layers stacked by nn.scan on ``axis`` of every param (on axis
+  1 Flax moves the stack axis to the front with a transpose before the
+  scan slices it, as MaxText's param_scan_axis=1 does)."""
+  axis: int
+
+  @nn.compact
+  def __call__(self, x):
+    body = nn.scan(_ScanStep, variable_axes={'params': self.axis},
+                   split_rngs={'params': True}, length=3)
+    return body(name='layers')(x, None)[0]
+
+
+@pytest.mark.parametrize('axis', [0, 1])
+def test_scan_with_params_stacked_on_axis_1_traces_checks_and_takes_lora(
+    axis):
+  model = _ScanOnAxis(axis)
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  variables = model.init(jax.random.key(1), x)
+  kernel = variables['params']['layers']['dense']['kernel']
+  assert kernel.shape == ((3, 6, 6) if axis == 0 else (6, 3, 6))
+  mox = yax.make_mox(model.apply)(variables, x)
+  # The call around the scan lists the stacked params its body reads
+  # (through the transposes), as stored.
+  yax.check_mox(mox)
+  np.testing.assert_allclose(yax.eval_mox(mox, variables, x),
+                             model.apply(variables, x), rtol=1e-6, atol=1e-6)
+  (top,) = [r for r in yax.summary(mox) if r.depth == 0]
+  assert top.params == sum(np.size(v) for v in jax.tree.leaves(variables))
+  res = yax.lora(mox, variables, '//module_call[@type="Dense"]', rank=2,
+                 alpha=2.0, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  assert res.paths == [('layers', 'dense'), ('layers', 'other')]
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(variables, x), rtol=1e-6, atol=1e-6)
+  rng = np.random.default_rng(3)
+  trained = jax.tree.map(
+      lambda v, m: v + rng.normal(0, 0.5, np.shape(v)).astype(v.dtype)
+      if m else v, res.params, res.mask)
+  want = {'params': {'layers': {}}}
+  for name, module in trained['params']['layers'].items():
+    a, b = module['lora_a'], module['lora_b']  # [layers, in, r], [layers, r, out]
+    assert a.shape == (3, 6, 2) and b.shape == (3, 2, 6)
+    delta = np.einsum('lir,lro->lio', a, b)
+    if axis == 1:
+      delta = delta.transpose(1, 0, 2)
+    want['params']['layers'][name] = {
+        k: v + (2.0 / 2) * delta if k == 'kernel' else v
+        for k, v in module.items() if not k.startswith('lora')}
+  expected = model.apply(want, x)
+  assert not np.allclose(expected, model.apply(variables, x), atol=1e-4)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), expected,
+                             rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(model.apply(res.merge(trained), x), expected,
+                             rtol=2e-5, atol=2e-5)

@@ -404,6 +404,10 @@ class _Builder:
     self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
     # Calls seen but not recorded as nodes -> why (one warning each).
     self.left_out: dict[CallRecord, str] = {}
+    # The output of each transpose -> its operand: a stacked param whose
+    # stack axis Flax's nn.scan moves to the front (variable_axes={'params':
+    # 1}) before the scan slices it (see ``_reach_through``).
+    self.transposed: dict[Symbol, Symbol] = {}
 
   def bind(self, v) -> Var:
     sym = Var(v.aval, dropped=isinstance(v, _lower.JaxDropVar))
@@ -470,6 +474,8 @@ class _Builder:
           outputs.append(sym)
         body.append(taking(prim, inputs, outputs, eqn.params, eqn.effects,
                            eqn.source_info, eqn.ctx))
+        if prim.name == 'transpose' and not isinstance(inputs[0], Literal):
+          self.transposed[outputs[0]] = inputs[0]
     while len(stack) > 1:  # no exit here: an exception, or another trace
       self.dissolve(stack)
     return root.children
@@ -615,7 +621,12 @@ class _Builder:
     computed inside a body are not variables of anything outside it."""
     reach: Reach = {}
     for index, body in enumerate(eqn.children):
-      outer = dict(zip(body.inputs, _rules.body_input_sources(eqn, index)))
+      sources = _rules.body_input_sources(eqn, index)
+      if eqn.prim.name == 'scan':
+        # A scanned param moved to stack on axis 0 by a transpose is that
+        # param: the call around the scan reads it, as stored.
+        sources = [self.transposed.get(s, s) for s in sources]
+      outer = dict(zip(body.inputs, sources))
       for key, values in self._reach_children(body.children).items():
         for k, v in values.items():
           syms = _symbols(v)
