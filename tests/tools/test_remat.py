@@ -125,6 +125,38 @@ def test_save_keeps_the_selected_outputs(stack_mox):
   assert len(equations(new, prim='name')) == 4
 
 
+class NamedTanhBlock(nn.Module):
+  """Block naming its last tanh: the reference for save= on an equation."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    t = jax.ad_checkpoint.checkpoint_name(jnp.tanh(jax.nn.gelu(h)), 't')
+    return x + jnp.sin(nn.Dense(8)(t))
+
+
+class NamedTanhStack(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    policy = jax.checkpoint_policies.save_only_these_names('t')
+    for i in range(2):
+      x = nn.remat(NamedTanhBlock, policy=policy)(name=f'block{i}')(x)
+    return nn.Dense(3)(x)
+
+
+def test_save_keeps_an_equation_output(stack_mox):
+  new = check_rewrite(yax.remat(
+      stack_mox, '//module_call[@type="Block"]',
+      save='//module_call[@type="Block"]/tanh[last()]'))
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(NamedTanhStack().apply)
+  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
+
+
 def test_refusals(stack_mox):
   with pytest.raises(yax.SubstitutionError, match='unknown policy'):
     yax.remat(stack_mox, '//module_call[@type="Block"]', policy='dots')
