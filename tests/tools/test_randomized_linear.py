@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import yax
+from yax._src.tools import randomized
 from helpers import (assert_trees_close, check_rewrite, run_on_host_devices,
                      saved_residuals)
 
@@ -146,6 +147,41 @@ def test_the_residual_is_the_sketch(b, t, d, ratio):
   assert_trees_close(jax.grad(mine, 1)(v, x, KEY),
                      jax.grad(loss(model.apply), 1)(v, x), rtol=1e-5,
                      atol=1e-6)
+
+
+def test_the_sketch_is_drawn_and_applied_in_blocks(monkeypatch):
+  # 15 rows, k = 6, blocks of 4 rows: three blocks and a remainder of 3.
+  monkeypatch.setattr(randomized, 'BLOCK_ENTRIES', 25)
+  model = nn.Dense(6)
+  x = jax.random.normal(jax.random.key(3), (3, 5, 4))
+  v = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  new = check_rewrite(yax.randomized_linear(
+      mox, '//module_call[@type="Dense"]', ratio=0.4))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  got = jax.jit(jax.grad(mine))(v, x, KEY)['params']['kernel']
+  # S, row block b from fold_in(site key, b), N(0, 1/k) entries.
+  site = jax.random.fold_in(KEY, 0)
+  s = jnp.concatenate([
+      jax.random.normal(jax.random.fold_in(site, b), (rows, 6)) / math.sqrt(6)
+      for b, rows in enumerate((4, 4, 4, 3))])
+  np.testing.assert_array_equal(
+      randomized.sketch_matrix(site, 15, 6, 'gaussian'), s)
+  xf = np.asarray(x, np.float64).reshape(15, 4)
+  g = np.cos(xf @ np.asarray(v['params']['kernel'], np.float64) +
+             np.asarray(v['params']['bias'], np.float64))  # d sum(sin(y))/dy
+  s = np.asarray(s, np.float64)
+  np.testing.assert_allclose(got, (s.T @ xf).T @ (s.T @ g), rtol=1e-4,
+                             atol=1e-5)
+  assert saved_residuals(mine, v, x, KEY) == sorted(
+      ['f32[6,4]', 'u32[2]', 'f32[3,5,6]'])
+  # Still unbiased over the blocks.
+  n = 1000
+  keys = jax.random.split(jax.random.PRNGKey(4), n)
+  sampled = jax.jit(jax.vmap(
+      lambda k: jax.grad(mine)(v, x, k)['params']['kernel']))(keys)
+  assert_unbiased(sampled, jax.grad(loss(model.apply))(v, x)['params'][
+      'kernel'], n)
 
 
 def test_missing_sketch_key_and_refusals(block_mox):
