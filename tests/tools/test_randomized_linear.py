@@ -2,8 +2,8 @@
 gradient are exact, the kernel gradient is unbiased (its mean over many
 sketches is the exact gradient, within standard error), and the residual
 kept for the kernel gradient is the sketch, [k, d]. Composed with remat,
-lora and quantize, inside nn.scan bodies, on NNX, under jit/vmap and on a
-2x4 mesh of host devices."""
+lora, quantize and fewbit, inside nn.scan and nn.remat bodies, on NNX,
+under jit/vmap and on a 2x4 mesh of host devices."""
 
 from __future__ import annotations
 
@@ -291,6 +291,32 @@ def test_inside_an_nn_scan_body_under_jit_and_vmap():
                   e['params']['layers']['Dense_0']['kernel'], n)
   # The key is a loop constant of the scan: one input, not one per layer.
   assert len(new.inputs) == len(mox.inputs) + 1
+
+
+class RematBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(Block)(name='b')(x)
+
+
+def test_inside_an_nn_remat_body(block_mox):
+  model = RematBlock()
+  v = {'params': {'b': VARS['params']}}
+  mox = yax.make_mox(model.apply)(v, X)
+  new = check_rewrite(yax.randomized_linear(mox, LINEAR))
+  np.testing.assert_array_equal(yax.eval_mox(new, v, X, sketch_key=KEY),
+                                model.apply(v, X))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  assert_trees_close(jax.grad(mine, 1)(v, X, KEY),
+                     jax.grad(loss(model.apply), 1)(v, X), rtol=1e-5,
+                     atol=1e-6)
+  # The recomputed forward draws the same sketches as the same layers
+  # outside nn.remat.
+  flat = yax.randomized_linear(block_mox, LINEAR)
+  ref = jax.grad(loss(lambda v, x, k: yax.eval_mox(flat, v, x, sketch_key=k)))(
+      VARS, X, KEY)
+  assert_trees_close(jax.grad(mine)(v, X, KEY)['params']['b'], ref['params'],
+                     rtol=1e-5, atol=1e-6)
 
 
 class NMLP(nnx.Module):

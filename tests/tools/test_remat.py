@@ -209,6 +209,44 @@ def test_remat_inside_an_nn_scan_body():
   assert xla_memory(mine, v, X) == xla_memory(theirs, v, X)
 
 
+class DenseRematBlock(nn.Module):
+  """Block with its first Dense under nn.remat: the reference for yax.remat
+  of a call inside an nn.remat body."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.remat(nn.Dense)(16, name='Dense_0')(x)
+    y = nn.Dense(8, name='Dense_1')(jnp.tanh(jax.nn.gelu(h)))
+    return x + jnp.sin(y)
+
+
+class RematStack(nn.Module):
+  inner: bool = False  # the reference: nn.remat inside nn.remat
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(DenseRematBlock if self.inner else Block)
+    for i in range(2):
+      x = block(name=f'block{i}')(x)
+    return nn.Dense(3)(x)
+
+
+def test_remat_inside_an_nn_remat_body():
+  model = RematStack()
+  mox = yax.make_mox(model.apply)(VARS, X)
+  new = check_rewrite(yax.remat(
+      mox, '//module_call[@type="Dense" and @name="Dense_0" and '
+      'ancestor::module_call[@type="Block"]]'))
+  assert xml(new).count('remat="nothing_saveable"') == 2
+  ref = RematStack(inner=True)
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref.apply)
+  assert_trees_close(yax.eval_mox(new, VARS, X), ref.apply(VARS, X))
+  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+
+
 class NBlock(nnx.Module):
   def __init__(self, rngs):
     self.fc1 = nnx.Linear(8, 16, rngs=rngs)
