@@ -60,6 +60,17 @@ def loss(apply):
   return lambda v, x, *key: jnp.sum(jnp.sin(apply(v, x, *key)))
 
 
+def assert_exact(new, apply, v, x=X):
+  """``new``'s forward pass is ``apply``'s bit for bit and its input
+  gradient is exact; returns ``new``'s loss of ``(v, x, key)``."""
+  np.testing.assert_array_equal(yax.eval_mox(new, v, x, sketch_key=KEY),
+                                apply(v, x))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  assert_trees_close(jax.grad(mine, 1)(v, x, KEY),
+                     jax.grad(loss(apply), 1)(v, x), rtol=1e-5, atol=1e-6)
+  return mine
+
+
 @pytest.fixture(scope='module')
 def block_mox():
   return yax.make_mox(BLOCK.apply)(VARS, X)
@@ -271,12 +282,7 @@ def test_inside_an_nn_scan_body_under_jit_and_vmap():
   v = model.init(jax.random.key(0), X)
   mox = yax.make_mox(model.apply)(v, X)
   new = check_rewrite(yax.randomized_linear(mox, LINEAR))
-  np.testing.assert_array_equal(yax.eval_mox(new, v, X, sketch_key=KEY),
-                                model.apply(v, X))
-  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
-  assert_trees_close(jax.grad(mine, 1)(v, X, KEY),
-                     jax.grad(loss(model.apply), 1)(v, X), rtol=1e-5,
-                     atol=1e-6)
+  mine = assert_exact(new, model.apply, v)
   xs = jnp.stack([X, -X])
   got = jax.jit(jax.vmap(lambda x: yax.eval_mox(new, v, x, sketch_key=KEY)))(
       xs)
@@ -304,12 +310,7 @@ def test_inside_an_nn_remat_body(block_mox):
   v = {'params': {'b': VARS['params']}}
   mox = yax.make_mox(model.apply)(v, X)
   new = check_rewrite(yax.randomized_linear(mox, LINEAR))
-  np.testing.assert_array_equal(yax.eval_mox(new, v, X, sketch_key=KEY),
-                                model.apply(v, X))
-  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
-  assert_trees_close(jax.grad(mine, 1)(v, X, KEY),
-                     jax.grad(loss(model.apply), 1)(v, X), rtol=1e-5,
-                     atol=1e-6)
+  mine = assert_exact(new, model.apply, v)
   # The recomputed forward draws the same sketches as the same layers
   # outside nn.remat.
   flat = yax.randomized_linear(block_mox, LINEAR)
@@ -338,11 +339,7 @@ def test_on_nnx():
   mox = yax.make_mox(apply)(state, X)
   new = check_rewrite(yax.randomized_linear(
       mox, '//module_call[@type="Linear"]', ratio=0.5))
-  np.testing.assert_array_equal(yax.eval_mox(new, state, X, sketch_key=KEY),
-                                apply(state, X))
-  mine = loss(lambda s, x, k: yax.eval_mox(new, s, x, sketch_key=k))
-  assert_trees_close(jax.grad(mine, 1)(state, X, KEY),
-                     jax.grad(loss(apply), 1)(state, X), rtol=1e-5, atol=1e-6)
+  mine = assert_exact(new, apply, state)
   n = 800
   keys = jax.random.split(jax.random.PRNGKey(2), n)
   g = jax.jit(jax.vmap(lambda k: jax.grad(mine)(state, X, k)))(keys)

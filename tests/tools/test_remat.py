@@ -68,6 +68,18 @@ def loss_of(apply):
   return lambda v, x: jnp.sum(jnp.cos(apply(v, x)))
 
 
+def assert_same_training(new, ref_apply, v=VARS, x=X):
+  """``new`` gives ``ref_apply``'s outputs, gradients and saved residuals;
+  returns both losses of ``(v, x)``."""
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref_apply)
+  assert_trees_close(yax.eval_mox(new, v, x), ref_apply(v, x))
+  assert_trees_close(jax.grad(mine)(v, x), jax.grad(theirs)(v, x),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v, x) == saved_residuals(theirs, v, x)
+  return mine, theirs
+
+
 @pytest.fixture(scope='module')
 def stack_mox():
   return yax.make_mox(STACK.apply)(VARS, X)
@@ -83,13 +95,7 @@ def test_remat_equals_nn_remat(stack_mox, policy):
   assert xml(stack_mox) == before  # mox unchanged
   fn = policy if not isinstance(policy, str) else getattr(
       jax.checkpoint_policies, policy)
-  ref = Stack(remat=True, policy=fn)
-  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
-  theirs = loss_of(ref.apply)
-  assert_trees_close(yax.eval_mox(new, VARS, X), ref.apply(VARS, X))
-  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
-                     rtol=1e-5, atol=1e-6)
-  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  mine, theirs = assert_same_training(new, Stack(remat=True, policy=fn).apply)
   assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
   # Remat changes what is kept: without a policy only the inputs are.
   if policy is None:
@@ -238,13 +244,7 @@ def test_remat_inside_an_nn_remat_body():
       mox, '//module_call[@type="Dense" and @name="Dense_0" and '
       'ancestor::module_call[@type="Block"]]'))
   assert xml(new).count('remat="nothing_saveable"') == 2
-  ref = RematStack(inner=True)
-  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
-  theirs = loss_of(ref.apply)
-  assert_trees_close(yax.eval_mox(new, VARS, X), ref.apply(VARS, X))
-  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
-                     rtol=1e-5, atol=1e-6)
-  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  assert_same_training(new, RematStack(inner=True).apply)
 
 
 class NBlock(nnx.Module):
@@ -283,12 +283,7 @@ def test_remat_equals_nnx_remat():
 
   mox = yax.make_mox(plain)(state, X)
   new = check_rewrite(yax.remat(mox, '//module_call[@type="NBlock"]'))
-  mine = loss_of(lambda s, x: yax.eval_mox(new, s, x))
-  theirs = loss_of(reference)
-  assert_trees_close(yax.eval_mox(new, state, X), reference(state, X))
-  assert_trees_close(jax.grad(mine)(state, X), jax.grad(theirs)(state, X),
-                     rtol=1e-5, atol=1e-6)
-  assert saved_residuals(mine, state, X) == saved_residuals(theirs, state, X)
+  mine, theirs = assert_same_training(new, reference, state)
   assert xla_memory(mine, state, X) == xla_memory(theirs, state, X)
 
 
