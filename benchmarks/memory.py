@@ -16,8 +16,11 @@ function. Variants, each a rewrite of the traced model
 (``yax.make_mox(lambda p, ids, mask: model(...).logits)``):
 
 * ``baseline``: the traced model, as it is;
-* ``fewbit 3-bit GELU``: ``yax.fewbit(mox, bits=3)`` (a "missing" row
-  while ``yax.fewbit`` is not in this checkout);
+* ``fewbit 3-bit GELU``: ``yax.fewbit`` with ``bits=3`` searching each
+  layer's MLP (``//module_call[@type="FlaxBertIntermediate"]``): the GELU
+  of every layer and nothing else (the pooler's ``tanh`` keeps its exact
+  derivative; a "missing" row while ``yax.fewbit`` is not in this
+  checkout);
 * ``randomized 20%``: ``yax.randomized_linear`` of every ``Dense``,
   ``ratio=0.2`` (a new ``sketch_key`` per step);
 * ``fewbit + randomized``: both;
@@ -163,7 +166,13 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask):
 
   fewbit = getattr(yax, 'fewbit', None)
   missing = 'missing: yax.fewbit is not in this checkout'
-  few = fewbit(mox, bits=3) if fewbit else missing
+  few = missing
+  if fewbit:  # the GELU of each layer's MLP, and only it
+    mlp = layer.replace('Layer', 'Intermediate')
+    few = fewbit(mox, f'//module_call[@type="{mlp}"]', bits=3)
+    names = {n.name for n in yax.query('//module_call[@type="FewBit"]', few)}
+    if names != {'gelu'}:
+      few = f'fails: fewbit in {mlp} rewrote {sorted(names)}, not GELU only'
   out = {
       'baseline': of(mox),
       'fewbit 3-bit GELU': of(few),
