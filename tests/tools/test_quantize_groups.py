@@ -292,6 +292,28 @@ def test_nnx_linear_and_einsum(fmt, tile):
                              fn(want_state, x), rtol=1e-6, atol=1e-6)
 
 
+class Tied(nn.Module):
+  """A tied head: Embed.attend contracts the table [vocab=10, emb=6] over
+  emb (axis 1), one scale per vocabulary row; the lookup reads the same
+  (dequantized) table."""
+
+  @nn.compact
+  def __call__(self, ids):
+    emb = nn.Embed(10, 6, name='embed')
+    return emb.attend(jnp.tanh(emb(ids)))
+
+
+TIED_KERNELS = [(('params', 'embed', 'embedding'), (1,), 0)]
+
+
+@pytest.mark.parametrize('fmt,tile', [('int8', None), ('nf4', 3)])
+def test_tied_embedding_table(fmt, tile):
+  ids = jnp.array([[1, 2, 3, 9]])
+  variables = Tied().init(jax.random.key(0), ids)
+  check_ptq(Tied().apply, variables, (ids,), '//module_call[@method="attend"]',
+            TIED_KERNELS, fmt, tile)
+
+
 # (module path in the GPT-2 params, kernel [out, in])
 GPT2_CONV1D = [('h', '0', 'attn', 'c_attn'), ('h', '0', 'attn', 'c_proj'),
                ('h', '0', 'mlp', 'c_fc'), ('h', '0', 'mlp', 'c_proj')]
@@ -395,6 +417,15 @@ def test_qat_gradient_is_straight_through_on_hf_gpt2():
   fn, params, ids = gpt2()
   check_qat(fn, params, (ids,), '//module_call[@type="FlaxConv1D"]',
             [((*path, 'kernel'), (1,), 0) for path in GPT2_CONV1D], 'fp8')
+
+
+def test_qat_gradient_is_straight_through_on_a_tied_table():
+  """The lookup and the head both read the fake-quantized table; its
+  gradient sums both reads' at the fake-quantized table."""
+  ids = jnp.array([[1, 2, 3, 9]])
+  variables = Tied().init(jax.random.key(0), ids)
+  check_qat(Tied().apply, variables, (ids,),
+            '//module_call[@method="attend"]', TIED_KERNELS, 'int4', 2)
 
 
 def test_qat_with_act_is_straight_through_for_both_operands():
