@@ -428,6 +428,28 @@ def test_qat_gradient_is_straight_through_on_a_tied_table():
             '//module_call[@method="attend"]', TIED_KERNELS, 'int4', 2)
 
 
+def test_qat_gradient_is_straight_through_on_nnx():
+  graphdef, state = nnx.split(NNXModel(nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  fn = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(fn)(state, x)
+  q = yax.quantize(mox, state, '//module_call[@type="Linear" or '
+                   '@type="Einsum"]', weight='int4', mode='qat')
+  at = jax.tree_util.tree_map(lambda a: a, state)
+  for keys, contracted in ((('blocks', 0, 'kernel'), (0,)),
+                           (('blocks', 1, 'kernel'), (0,)),
+                           (('ein', 'kernel'), (1,))):
+    variable = get(at, keys)
+    variable.value = spec_quantize(variable[...], 'int4', contracted)[2]
+  loss = lambda f: lambda s: jnp.sum(jnp.sin(f(s)))
+  got = jax.grad(loss(lambda s: yax.eval_mox(q.mox, s, x)))(state)
+  want = jax.grad(loss(lambda s: fn(s, x)))(at)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree_util.tree_leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 def test_qat_with_act_is_straight_through_for_both_operands():
   """act='int8': the input is fake-quantized per row too; the gradients
   of the params AND of the input pass both roundings unchanged (compared
