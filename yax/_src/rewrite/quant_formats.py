@@ -64,27 +64,37 @@ def quantize_array(w, fmt: str, contracted: tuple, tile: int | None = None):
   """``(q, scale)``: ``w`` stored in ``fmt`` with absmax scales over the
   ``contracted`` axes (kept as size-1 axes in ``scale``), or over each
   ``tile`` elements of them (flattened in kernel order)."""
-  if tile is not None:
-    tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
-    q, scale = quantize_array(tiles, fmt, (1,))
-    return back(q), scale
-  dtype, top, _ = FORMATS[fmt]
-  w = jnp.asarray(w, jnp.float32)
+  dtype = FORMATS[fmt][0]
+  if tile is None:
+    codes, scale = _codes(jnp.asarray(w, jnp.float32), fmt, contracted)
+    return codes.astype(dtype), scale
+  tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
+  codes, scale = _codes(tiles, fmt, (1,))
+  # The barrier keeps XLA from fusing the transpose back to kernel order
+  # with the cast: jaxlib 0.8.0's CPU backend compiles that fusion, for a
+  # 4-bit type, into code that corrupts the heap ("malloc_consolidate():
+  # invalid chunk size"; tests/tools/test_quantize.py, int4 tiles).
+  return jax.lax.optimization_barrier(back(codes)).astype(dtype), scale
+
+
+def _codes(w, fmt: str, contracted: tuple):
+  """The codes of ``w`` before their cast to ``fmt``'s storage type (as
+  float32, or int32 for nf4) and the absmax scales."""
+  _, top, _ = FORMATS[fmt]
   absmax = jnp.max(jnp.abs(w), axis=contracted, keepdims=True)
   scale = jnp.where(absmax > 0, absmax / top, 1.0).astype(jnp.float32)
   if fmt == 'nf4':
     x = w / scale
-    codes = jnp.argmin(jnp.abs(x[..., None] - NF4_LEVELS), axis=-1)
-    return codes.astype(dtype), scale
+    return jnp.argmin(jnp.abs(x[..., None] - NF4_LEVELS), axis=-1), scale
   if fmt == 'fp8':
-    return (w / scale).astype(dtype), scale
+    return w / scale, scale
   # The absmax maps to +-(2^(bits-1) - 1/2), so every code of the signed
   # range [-2^(bits-1), 2^(bits-1) - 1] is used (Qwix's convention: a
   # finer step than +-127, +-7). The absmax itself is a rounding tie, set
   # exactly so that it breaks the same way everywhere (-128, and 128
   # clipped to 127).
   x = jnp.where(jnp.abs(w) == absmax, jnp.sign(w) * top, w / scale)
-  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5).astype(dtype), scale
+  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5), scale
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,

@@ -325,13 +325,15 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   # it.
   where = prefix[:2]  # the argument that holds the params
   plan_at = {t.keypath: t.plan for t in targets}
-  added = {(*done.collections[loc[0]], *loc[1:]): var
-           for loc, var in done.added.items()}
+  # A location names modules by path (strings); a key path may hold the
+  # int index of a list (an nnx.List's state): compared as strings.
+  added = {tuple(map(str, (*done.collections[loc[0]], *loc[1:])))
+           for loc in done.added}
   values, stored = [], {}
   for keypath, var in sorted(done.retyped.items(), key=lambda kv: str(kv[0])):
     plan = plan_at[keypath]
     scale_path = (*keypath[:-1], f'{plan.kernel_name}_scale')
-    if scale_path not in added:
+    if tuple(map(str, scale_path)) not in added:
       raise SubstitutionError(
           f'internal: quantize stored {keypath} quantized but placed no '
           f'scale at {scale_path}')
