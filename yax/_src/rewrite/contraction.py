@@ -25,6 +25,12 @@ It records:
 Anything else (a kernel read twice, a contraction whose output is scaled or
 fed through a nonlinearity before the module returns it) is reported as a
 reason string, which the caller turns into a refusal naming the module.
+
+:func:`find_site` asks less: only the one contraction that reads the
+kernel, to rewrite in place inside the module's body (LoRA on a kernel no
+adapter around the call fits: several kernels in one call, a MoE's routed
+operand, an activation after the contraction); :func:`kernel_plans` gives
+every kernel of a call so.
 """
 
 from __future__ import annotations
