@@ -548,3 +548,49 @@ def test_linen_kernels_behind_an_activation_are_adapted_in_place():
   np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), want, **TOL)
   np.testing.assert_allclose(model.apply(res.merge(trained), x), want, **TOL)
   check_adapter_gradients(res, trained, x)
+
+
+class RaggedExperts(nnx.Module):
+  """Experts behind ``jax.lax.ragged_dot`` (Gemma 4's MoE): the rows come
+  sorted by expert, ``group_sizes`` rows each, every group times its own
+  slice of the kernels [experts, in, out]."""
+
+  def __init__(self, rngs, experts=3, d=4, h=5):
+    init = lambda *s: nnx.Param(jax.random.normal(rngs.params(), s) * 0.3)
+    self.gating = init(experts, d, h)
+    self.linear = init(experts, h, d)
+
+  def __call__(self, x, group_sizes):  # x: [tokens, d], sorted by expert
+    h = jax.nn.gelu(jax.lax.ragged_dot(x, self.gating[...], group_sizes))
+    return jax.lax.ragged_dot(h, self.linear[...], group_sizes)
+
+
+def test_ragged_dot_experts_are_adapted_in_place_one_pair_per_group():
+  model = RaggedExperts(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (7, 4))
+  group_sizes = jnp.array([3, 0, 4], jnp.int32)
+  graphdef, state = nnx.split(model)
+  run = lambda s, x, g: nnx.merge(graphdef, s)(x, g)
+  mox = yax.make_mox(run)(state, x, group_sizes)
+  res = yax.lora(mox, state, '//module_call[@type="RaggedExperts"]',
+                 rank=RANK, alpha=ALPHA, key=jax.random.key(2))
+  yax.check_mox(res.mox)
+  base = run(state, x, group_sizes)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x,
+                                          group_sizes), base, **TOL)
+  trained = perturbed(res)
+  reference = nnx.split(model)[1]
+  for name in ('gating', 'linear'):
+    a, b = trained[f'{name}_lora_a'][...], trained[f'{name}_lora_b'][...]
+    experts, n_in, n_out = state[name][...].shape
+    assert a.shape == (experts, n_in, RANK) and b.shape == (
+        experts, RANK, n_out)
+    reference[name].value = reference[name][...] + ALPHA / RANK * np.einsum(
+        'gir,gro->gio', a, b)
+  want = run(reference, x, group_sizes)
+  assert not np.allclose(want, base, **TOL)
+  np.testing.assert_allclose(
+      yax.eval_mox(res.mox, trained, x, group_sizes), want, **TOL)
+  np.testing.assert_allclose(run(res.merge(trained), x, group_sizes), want,
+                             **TOL)
+  check_adapter_gradients(res, trained, x, group_sizes)

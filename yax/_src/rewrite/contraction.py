@@ -53,6 +53,11 @@ from yax._src.rewrite.engine import describe
 from yax._src.rewrite.quant_formats import FORMATS
 
 CONTRACTIONS = ('dot_general', 'conv_general_dilated')
+# ``jax.lax.ragged_dot``: rows of the lhs grouped (``group_sizes``, its
+# third input), each group times its own slice of a stacked kernel
+# ``[groups, in, out]`` (a MoE's experts). Adapted in place only.
+RAGGED = 'ragged_dot_general'
+_RAGGED_LAYOUT = (((1,), (1,)), ((), ()))
 # Equations a kernel may pass through on its way to the contraction: they
 # keep its values (a transpose only moves axes, which `perm` records; a
 # sharding constraint only says where they live, as MaxText's MoE puts on
@@ -249,6 +254,15 @@ def _kernel_use(flat: _Flattener, node: Mox, kernel_index: int):
       if layout[1] is not None:
         return f'its {name} reads its kernel reshaped'
       uses.append((eqn, hit[0]))
+    elif name == RAGGED and hit == [1]:
+      numbers = eqn.params['ragged_dot_dimension_numbers']
+      if (layout != (tuple(range(3)), None) or tuple(
+          numbers.dot_dimension_numbers) != _RAGGED_LAYOUT or tuple(
+              numbers.lhs_ragged_dimensions) != (0,) or tuple(
+                  numbers.rhs_group_dimensions) != (0,)):
+        return (f'its {name} reads it in a layout other than ragged_dot\'s '
+                '[groups, in, out] with rows grouped')
+      uses.append((eqn, 1))
     elif name in _KERNEL_STEPS and len(eqn.inputs) == 1:
       perm, view = layout
       if name == 'transpose':
@@ -311,6 +325,8 @@ def find(node: Mox, kernel_index: int) -> Contraction | str:
   if isinstance(used, str):
     return used
   eqn, side, derived, scaled = used
+  if eqn.prim.name == RAGGED:
+    return 'its ragged_dot groups the rows of its input: adapted in place'
   outputs = [flat.canon(s) for s in node.outputs if not isinstance(s, Literal)]
   name = eqn.prim.name
   params = dict(eqn.params)
@@ -399,6 +415,8 @@ def find_site(node: Mox, kernel_index: int):
   if eqn.nested:
     return (f'its {eqn.prim.name} sits in the body of another module call '
             'that the module passes its kernel to')
+  if any(_is_literal(s) for s in eqn.inputs[2:]):
+    return f'its {eqn.prim.name} reads constant group sizes'
   operand = eqn.inputs[1 - side]
   return Contraction(
       kernel_index=kernel_index, kind=eqn.prim.name,
@@ -513,7 +531,7 @@ class KernelPlan:
   def fan_in(self) -> int:
     """The kernel elements one output reads (what LoRA's ``A`` is drawn
     for: ``N(0, 1 / fan_in)``)."""
-    if self.contraction.kind == 'dot_general':
+    if self.contraction.kind in ('dot_general', RAGGED):
       return math.prod(self.kernel_shape[v] for v in self.contracted)
     return math.prod(self.a_shape[:-1])
 
@@ -599,6 +617,9 @@ def _plan(node: Mox, index: int, c: Contraction, rank: int,
     other = [v for v in range(len(shape))
              if v not in contracted and v not in stack]
     a_axes, b_axes = (*stack, *contracted, None), (*stack, None, *other)
+  elif c.kind == RAGGED:  # one pair per group: [g, in, r], [g, r, out]
+    stack = (0,)
+    a_axes, b_axes = (0, 1, None), (0, None, 2)
   else:
     out = c.dimension_numbers.rhs_spec[0]
     a_axes = (*(v for v in range(len(shape)) if v != out), None)

@@ -42,7 +42,8 @@ clipped input) and outputs that go through an activation. A kernel
 adapted in place whose leading axes come before its contracted axes, with
 other axes after them (``[experts, in, out]``), is a stack of matrices:
 one adapter pair per slice, ``A: [experts, in, rank]``, ``B: [experts,
-rank, out]``.
+rank, out]``; so is a kernel read by ``jax.lax.ragged_dot`` (its rows
+grouped by expert), always adapted in place.
 
 Which layers are adapted is decided by the contraction, not the class:
 ``A: [*contracted kernel axes, rank]`` and ``B: [rank, *other kernel
@@ -159,9 +160,15 @@ def _dot_letters(c: _contraction.Contraction, k_ndim: int, x_ndim: int,
   return ''.join(xs), a_sub, h_sub, b_sub, out, ''.join(var)
 
 
-def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b, stack=()):
+def _delta(c: _contraction.Contraction, k_ndim: int, x, a, b, stack=(),
+           *more):
   """The change of the contraction's output for the kernel change
-  ``A @ B``, computed without forming it: ``(x A) B``."""
+  ``A @ B``, computed without forming it: ``(x A) B`` (``more``: the
+  contraction's other inputs, a ragged_dot's group sizes)."""
+  if c.kind == _contraction.RAGGED:  # each row group with its own pair
+    (group_sizes,) = more
+    h = jax.lax.ragged_dot(x, a, group_sizes)
+    return jax.lax.ragged_dot(h, b, group_sizes)
   if c.kind == 'dot_general':
     x_sub, a_sub, h_sub, b_sub, out, _ = _dot_letters(c, k_ndim, x.ndim,
                                                       stack)
@@ -182,7 +189,9 @@ def _kernel_delta(plan: _contraction.KernelPlan, a, b):
   ``nn.scan`` makes them, kept; moved back where a transpose took them
   from, see ``KernelPlan.source_perm``)."""
   c, n = plan.contraction, len(plan.kernel_shape)
-  if c.kind == 'dot_general':
+  if c.kind == _contraction.RAGGED:
+    delta = jnp.einsum('...gir,...gro->...gio', a, b)
+  elif c.kind == 'dot_general':
     _, a_sub, _, b_sub, _, k_sub = _dot_letters(c, n, c.operand_aval.ndim,
                                                 plan.stack)
     delta = jnp.einsum(f'...{a_sub},...{b_sub}->...{k_sub}', a, b)
@@ -202,11 +211,11 @@ def _kernel_delta(plan: _contraction.KernelPlan, a, b):
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
-                    x_aval, y_aval, dtype, scale, stack=()):
-  def adapter(y, x, a, b):
+                    x_aval, y_aval, dtype, scale, stack=(), extra=()):
+  def adapter(y, x, a, b, *more):
     for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack)
+    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack, *more)
     delta = (scale * delta).astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
@@ -214,12 +223,17 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
   spec = jax.ShapeDtypeStruct
   return make_mox(adapter)(
       spec(y_aval.shape, y_aval.dtype), spec(x_aval.shape, x_aval.dtype),
-      spec(a_shape, dtype), spec(b_shape, dtype))
+      spec(a_shape, dtype), spec(b_shape, dtype),
+      *(spec(shape, kind) for shape, kind in extra))
 
 
-def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale):
+def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale,
+                 extra=()):
+  """The traced adapter; ``extra``: (shape, dtype) of the contraction's
+  inputs beyond its two operands, which the adapter reads too."""
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
-          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack)
+          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack,
+          tuple(extra))
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -274,12 +288,15 @@ def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
   x = args[c.x_index]
   z = Var(eqn.outputs[0].aval)
   dtype = adapter_dtype(kernel, c)
-  adapter = _adapter_mox(plan, x.aval, z.aval, dtype, alpha / rank)
+  # A ragged_dot's group sizes: the adapter groups the rows as it does.
+  more = [s for s in args[2:] if not isinstance(s, Literal)]
+  adapter = _adapter_mox(plan, x.aval, z.aval, dtype, alpha / rank,
+                         [(tuple(s.aval.shape), s.aval.dtype) for s in more])
   a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
   b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
   out = Var(z.aval)
   children = [eqn.replace(inputs=args, outputs=[z]),
-              *inline(adapter, [z, x, a, b], [out])]
+              *inline(adapter, [z, x, a, b, *more], [out])]
   if is_nnx(node):
     group, kind = NNX_GROUP, 'LoRAParam'
   else:
