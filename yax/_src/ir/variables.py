@@ -94,7 +94,7 @@ def _vt_flatten(tree: VariableTree):
 
 def _vt_unflatten(aux, children):
   keys, kinds, flags = aux
-  tree = VariableTree(zip(keys, children))
+  tree = VariableTree(zip(keys, children, strict=True))
   tree.kinds = kinds
   tree.flags = flags
   return tree

@@ -220,7 +220,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     def flat_fn(*dyn_vals):
       this.enter_root(dyn_vals)
       full = list(leaves)
-      for i, v in zip(dyn, dyn_vals):
+      for i, v in zip(dyn, dyn_vals, strict=True):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
       with nn.intercept_methods(functools.partial(_interceptor, this)), \
@@ -615,7 +615,8 @@ class _Builder:
     computed inside a body are not variables of anything outside it."""
     reach: Reach = {}
     for index, body in enumerate(eqn.children):
-      outer = dict(zip(body.inputs, _rules.body_input_sources(eqn, index)))
+      outer = dict(zip(body.inputs, _rules.body_input_sources(eqn, index),
+                       strict=True))
       for key, values in self._reach_children(body.children).items():
         for k, v in values.items():
           syms = _symbols(v)
