@@ -135,6 +135,8 @@ def _locate(root: Mox) -> Located:
   # under a path of its own: it must not decide).
   votes: dict[str, collections.Counter] = {}
   all_locs: set = set()
+  # A key path's steps as the strings a location holds, once per input.
+  str_keypaths = {sym: tuple(map(str, kp)) for sym, kp in keypaths.items()}
   while stack:
     # ``moved``: in this scope, a param transposed before a scan slices
     # it (nn.scan with variable_axes={'params': 1}, MaxText's scanned
@@ -157,16 +159,15 @@ def _locate(root: Mox) -> Located:
       continue
     for loc, sym in _var_locs(node):
       all_locs.add(loc)
-      keypath = keypaths.get(alias.get(sym, sym))
+      source = alias.get(sym, sym)
+      keypath = keypaths.get(source)
       if keypath is None:
         continue  # not read from the arguments (computed inside fn)
       if not alias:  # a symbol of the root scope
         locs.setdefault(loc, sym)
-      tail = tuple(loc[1:])
-      if len(keypath) > len(tail) and tuple(
-          str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-        votes.setdefault(loc[0], collections.Counter())[
-            tuple(keypath[:len(keypath) - len(tail)])] += 1
+      cut = len(keypath) - len(loc) + 1  # where the location's tail starts
+      if cut > 0 and str_keypaths[source][cut:] == loc[1:]:
+        votes.setdefault(loc[0], collections.Counter())[keypath[:cut]] += 1
   used_paths = {tuple(n.path) for n in iter_nodes(root)
                 if isinstance(n, Mox) and not n.is_ephemeral}
   for loc in all_locs:
