@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
+from yax._src.compat import jit_quick_on_cpu
 from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
 from yax._src.ir.containers import get_in, set_in, set_many, without
@@ -396,13 +397,29 @@ def _per_slice(fn, stack: int):
   return fn
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  """``quantize_array`` per slice, compiled once per kernel shape: run op
-  by op, each of its operations would compile for every new shape."""
+def _quantize_slices(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  """``quantize_array`` per slice."""
   return _per_slice(functools.partial(
       quantize_array, fmt=fmt, contracted=contracted, tile=tile),
                     stack)(kernel)
+
+
+# Compiled once per kernel shape: run op by op, each of its operations would
+# compile for every new shape. The compile is most of a first quantize on
+# CPU, hence XLA's quicker CPU emitters where it has them (see compat) for
+# int8 and int4 (elementwise ops, rounded and clipped in float32, then
+# converted exactly). Not for fp8, whose float32 -> float8 conversion the
+# older emitters of JAX 0.8's XLA round differently, nor nf4, whose tiled
+# program they abort on (both measured).
+_quantize_plain = jax.jit(_quantize_slices, static_argnums=(1, 2, 3, 4))
+_quantize_quick = jit_quick_on_cpu(_quantize_slices,
+                                   static_argnums=(1, 2, 3, 4))
+
+
+def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  """``(q, scale)`` of ``kernel`` (per slice of ``stack`` leading axes)."""
+  run = _quantize_quick if fmt in ('int8', 'int4') else _quantize_plain
+  return run(kernel, fmt, contracted, tile, stack)
 
 
 def dequantize(params, *, stored: dict, weight: str):
