@@ -34,7 +34,8 @@ from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
 from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
-                                            quantize_array, scale_shape)
+                                            per_slice, quantize_array,
+                                            quantize_kernel, scale_shape)
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 
@@ -341,7 +342,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     boxed = get_in(params, keys)
     kernel = unboxed(boxed)
     stack = var.aval.ndim - len(plan.kernel_shape)
-    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack)
     values.append((keys, boxed_like(boxed, q)))
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    else _nnx.variable_holding('Param', scale)))
@@ -365,22 +366,6 @@ class _Stored:
   dtype: Any
 
 
-def _per_slice(fn, stack: int):
-  """``fn`` applied to each slice of ``stack`` leading axes."""
-  for _ in range(stack):
-    fn = jax.vmap(fn)
-  return fn
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  """``quantize_array`` per slice, compiled once per kernel shape: run op
-  by op, each of its operations would compile for every new shape."""
-  return _per_slice(functools.partial(
-      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
-                    stack)(kernel)
-
-
 def dequantize(params, *, stored: dict, weight: str):
   """Float params for the tree ``quantize`` started from: each kernel of
   ``stored`` (key path in ``params`` -> :class:`_Stored`) dequantized and
@@ -391,7 +376,7 @@ def dequantize(params, *, stored: dict, weight: str):
     module = get_in(out, keys[:-1])
     boxed = get_in(out, keys)
     scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
-    value = _per_slice(functools.partial(
+    value = per_slice(functools.partial(
         dequantize_array, fmt=weight, dtype=kernel.dtype,
         contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
     out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),
