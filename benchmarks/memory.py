@@ -7,7 +7,8 @@ nothing of that size is run; step time and gradient error run the same
 variants at ``--time-batch`` (default 4) on 2 shared CPU cores), or
 ``--small`` (2-layer width-128 models, batch 8, length 32, a couple of
 minutes). ``--models bert`` for one model, ``--batch``/``--seq`` to change
-the size, ``--no-time`` for the memory columns only. Weights are random (from the configs); nothing is downloaded.
+the size, ``--no-time`` for the memory columns only, ``--variants
+randomized,fewbit`` for the baseline and those variants only. Weights are random (from the configs); nothing is downloaded.
 
 One training step: cross-entropy of the classifier's logits, its gradient
 and an Adam update (optax), jitted with the params and Adam state donated.
@@ -16,8 +17,11 @@ function. Variants, each a rewrite of the traced model
 (``yax.make_mox(lambda p, ids, mask: model(...).logits)``):
 
 * ``baseline``: the traced model, as it is;
-* ``fewbit 3-bit GELU``: ``yax.fewbit(mox, bits=3)`` (a "missing" row
-  while ``yax.fewbit`` is not in this checkout);
+* ``fewbit 3-bit GELU``: ``yax.fewbit`` with ``bits=3`` searching each
+  layer's MLP (``//module_call[@type="FlaxBertIntermediate"]``): the GELU
+  of every layer and nothing else (the pooler's ``tanh`` keeps its exact
+  derivative; a "missing" row while ``yax.fewbit`` is not in this
+  checkout);
 * ``randomized 20%``: ``yax.randomized_linear`` of every ``Dense``,
   ``ratio=0.2`` (a new ``sketch_key`` per step);
 * ``fewbit + randomized``: both;
@@ -163,7 +167,13 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask):
 
   fewbit = getattr(yax, 'fewbit', None)
   missing = 'missing: yax.fewbit is not in this checkout'
-  few = fewbit(mox, bits=3) if fewbit else missing
+  few = missing
+  if fewbit:  # the GELU of each layer's MLP, and only it
+    mlp = layer.replace('Layer', 'Intermediate')
+    few = fewbit(mox, f'//module_call[@type="{mlp}"]', bits=3)
+    names = {n.name for n in yax.query('//module_call[@type="FewBit"]', few)}
+    if names != {'gelu'}:
+      few = f'fails: fewbit in {mlp} rewrote {sorted(names)}, not GELU only'
   out = {
       'baseline': of(mox),
       'fewbit 3-bit GELU': of(few),
@@ -230,11 +240,13 @@ def run_model(name: str, args) -> list[str]:
   opt = optax.adam(1e-4)
   state = opt.init(params)
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  found = variants(model, layer, hf_gc, params, big[0], big[1])
+  found = _only(variants(model, layer, hf_gc, params, big[0], big[1]),
+                args.variants)
   if args.no_time:
     timed = exact = None
   else:  # the traced trees have the benchmark's batch: trace again
-    timed = variants(model, layer, hf_gc, params, little[0], little[1])
+    timed = _only(variants(model, layer, hf_gc, params, little[0],
+                           little[1]), args.variants)
     exact = jax.jit(jax.grad(timed['baseline']))(params, *little, key)
   lines = [f'{name}: {param_bytes / MiB:.1f} MiB of params, batch '
            f'{args.batch} x {args.seq} (step time and gradient error at batch '
@@ -272,6 +284,16 @@ def run_model(name: str, args) -> list[str]:
   return lines
 
 
+def _only(found: dict, wanted: str | None) -> dict:
+  """The baseline (every ratio is to it) and the variants whose names
+  start with one of the comma-separated ``wanted``."""
+  if not wanted:
+    return found
+  prefixes = [w.strip() for w in wanted.split(',')]
+  return {k: v for k, v in found.items()
+          if k == 'baseline' or any(k.startswith(p) for p in prefixes)}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--small', action='store_true')
@@ -282,6 +304,9 @@ def main(argv=None):
   parser.add_argument('--no-time', action='store_true',
                       help='memory columns only (no step time, no gradient '
                       'error: each needs two more compiles per variant)')
+  parser.add_argument('--variants', default=None,
+                      help='comma-separated name prefixes of the variants to '
+                      'run beside the baseline, e.g. "randomized,fewbit"')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)

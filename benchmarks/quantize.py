@@ -15,6 +15,17 @@ Models (one instance, its weights and inputs shared by both libraries):
   contracted by ``jnp.einsum('BTD,NDH->BTNH', x, w)`` for q/k/v,
   ``'BTNH,NHD->BTD'`` for the output) and an ``nn.Dense`` MLP and head;
 * ``conv``: a Linen CNN of ``nn.Conv`` layers and an ``nn.Dense`` head;
+* ``general``: a Linen MLP on per-head features: ``nn.DenseGeneral``
+  contracting two axes (``axis=(-2, -1)``, heads x head dim) into two
+  (``features=(heads, head dim)``), and an ``nn.Dense`` head; quantized per
+  output channel and with tiles of 32 contracted elements. The tiles are
+  not the same groups in both libraries: YAX cuts a channel's contracted
+  elements, flattened in kernel order (the SPEC's rule), into runs of 32,
+  here one per input head; Qwix's ``tile_size`` cuts only the innermost
+  contracted axis and reduces the others whole, so with head dim 32 its
+  tiled DenseGeneral keeps one scale per channel (its bytes and error equal
+  its untiled row's). On the Dense head (one contracted axis) the groups
+  are the same;
 * ``nnx``: an NNX model of ``nnx.Einsum`` attention projections and an
   ``nnx.Linear`` MLP and head;
 * ``bert``: Hugging Face ``FlaxBertModel`` (every ``Dense``);
@@ -23,22 +34,28 @@ Models (one instance, its weights and inputs shared by both libraries):
   embedding, transposed, which HF passes in as ``{'kernel': wte.T}``).
 
 For each model, layer kind and weight format, the same layers are quantized
-(weights only, one absmax scale per output channel, post-training):
+(weights only, one absmax scale per output channel, or per tile where the
+row's kind says so, post-training):
 
 * YAX: ``yax.make_mox`` of the forward function, then ``yax.quantize(mox,
-  params, <XPath by module type>, weight=fmt)`` (int8, int4, nf4, fp8 =
-  float8_e4m3fn); the forward is ``yax.eval_mox(res.mox, res.params, ...)``.
+  params, <XPath by module type>, weight=fmt, tile=tile)`` (int8, int4,
+  nf4, fp8 = float8_e4m3fn); the forward is ``yax.eval_mox(res.mox,
+  res.params, ...)``.
 * Qwix: ``qwix.quantize_model(model, qwix.PtqProvider([QuantizationRule(
-  module_path=<regex>, weight_qtype=fmt)]))``. Linen (and the HF models'
+  module_path=<regex>, weight_qtype=fmt, tile_size=tile)]))``. Linen (and
+  the HF models'
   Linen modules): ``jax.eval_shape`` of the quantized module's ``init``
   gives the abstract quantized tree, ``qwix.quantize_params`` fills it from
   the float weights, and the forward is the quantized module's ``apply``.
   NNX: ``quantize_model`` runs the model once on the input and quantizes its
   weights in place; the forward is ``nnx.merge`` of its split state.
   Qwix's formats have the same names (``jnp.int8``, ``jnp.int4``, ``'nf4'``,
-  ``jnp.float8_e4m3fn``). Its integer scales map the absmax to qmax + 0.5
-  (127.5, 7.5) where YAX maps it to qmax (127, 7): int8 and int4 errors differ
-  a little for that reason; nf4 and fp8 round the same way.
+  ``jnp.float8_e4m3fn``). Both map the absmax to qmax + 0.5 (127.5, 7.5)
+  and use the whole signed range; they differ only on the absmax element of
+  a negative sign, which YAX sets exactly to -(qmax + 0.5), rounded to qmin
+  (-128, -8), and Qwix computes by a float division that often lands a hair
+  inside, rounded to -qmax: int8 and int4 errors differ a little (either
+  way) for that reason; nf4 and fp8 codes are the same.
 
 Printed per model, one row per layer kind and format, a column group per
 library (a library that raises gets ``fails: <Type: message>`` instead):
@@ -277,10 +294,11 @@ def fail(side, e, args):
 
 # ------------------------------------------------------------- the sides
 
-def run_yax(case, xpath, fmt, args) -> Side:
+def run_yax(case, xpath, fmt, tile, args) -> Side:
   side = Side()
   try:
-    res = yax.quantize(case['mox'], case['params'], xpath, weight=fmt)
+    res = yax.quantize(case['mox'], case['params'], xpath, weight=fmt,
+                       tile=tile)
     side.layers = len(res.paths)
     side.nbytes = res.nbytes[1]
     out, inputs = case['out'], case['inputs']
@@ -293,12 +311,12 @@ def run_yax(case, xpath, fmt, args) -> Side:
   return side
 
 
-def run_qwix(case, regex, fmt, args) -> Side:
+def run_qwix(case, regex, fmt, tile, args) -> Side:
   side = Side()
   try:
     import qwix
     provider = qwix.PtqProvider([qwix.QuantizationRule(
-        module_path=regex, weight_qtype=qwix_qtype(fmt))])
+        module_path=regex, weight_qtype=qwix_qtype(fmt), tile_size=tile)])
     forward, qparams = case['qwix'](qwix, provider)
     side.layers = qwix_quantized_count(qparams)
     side.nbytes = tree_bytes(qparams)
@@ -373,6 +391,41 @@ def make_conv(args):
       kinds=[('Conv', '//module_call[@type="Conv"]', 'conv_.*', FORMATS),
              ('Dense', '//module_call[@type="Dense"]', 'head', ('int8',))],
       qwix=qwix_side)
+
+
+class GeneralMLP(nn.Module):
+  """Per-head features through DenseGeneral layers contracting two axes."""
+  heads: int
+  head_dim: int
+  out: int
+
+  @nn.compact
+  def __call__(self, x):  # [batch, time, heads, head_dim]
+    for i in range(2):
+      x = nn.gelu(nn.DenseGeneral((self.heads, self.head_dim),
+                                  axis=(-2, -1), name=f'general_{i}')(x))
+    return nn.Dense(self.out, name='head')(x.reshape(*x.shape[:2], -1))
+
+
+def make_general(args):
+  if args.small:
+    cfg, (b, t) = dict(heads=2, head_dim=32, out=16), (2, 8)
+  else:
+    cfg, (b, t) = dict(heads=8, head_dim=64, out=512), (4, 128)
+  model = GeneralMLP(**cfg)
+  x = jax.random.normal(jax.random.key(1), (b, t, cfg['heads'],
+                                            cfg['head_dim']))
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  xpath = '//module_call[@type="DenseGeneral"]'
+  return dict(
+      name=f'general: 2 DenseGeneral (heads, head_dim) -> (heads, head_dim) '
+           f'+ Dense head, x {b}x{t}x{cfg["heads"]}x{cfg["head_dim"]}',
+      fn=model.apply, params=variables, inputs=(x,), out=lambda y: y,
+      kinds=[('DenseGeneral', xpath, 'general_.*', FORMATS),
+             ('DenseGeneral tile=32', xpath, 'general_.*', FORMATS, 32),
+             ('Dense tile=32', '//module_call[@type="Dense"]', 'head',
+              ('int8', 'int4'), 32)],
+      qwix=linen_qwix(model, variables['params'], (x,)))
 
 
 def make_nnx(args):
@@ -476,8 +529,8 @@ def make_gpt2(args):
       qwix=qwix_side)
 
 
-CASES = dict(linen=make_linen, conv=make_conv, nnx=make_nnx, bert=make_bert,
-             gpt2=make_gpt2)
+CASES = dict(linen=make_linen, conv=make_conv, general=make_general,
+             nnx=make_nnx, bert=make_bert, gpt2=make_gpt2)
 
 
 # -------------------------------------------------------- cast (BERT only)
@@ -594,10 +647,11 @@ def main(argv=None) -> None:
       print(f'  float32: {tree_bytes(params) / 1e6:.3g} MB of params, '
             f'forward {1e3 * float_s:.3g} ms')
       rows, notes = [], []
-      for kind, xpath, regex, kind_formats in case['kinds']:
+      for kind, xpath, regex, kind_formats, *tile in case['kinds']:
+        tile = tile[0] if tile else None
         for fmt in [f for f in kind_formats if f in formats]:
-          y = run_yax(case, xpath, fmt, args)
-          q = run_qwix(case, regex, fmt, args)
+          y = run_yax(case, xpath, fmt, tile, args)
+          q = run_qwix(case, regex, fmt, tile, args)
           ty, tq = time_interleaved([y.step, q.step], rounds, per_round)
           y.step_s, q.step_s = ty, tq
           y.step = q.step = None  # free the executables
@@ -610,7 +664,7 @@ def main(argv=None) -> None:
               notes.append(f'{kind} {fmt}: {who} quantized no layer; nothing '
                            'raised, its params are the float ones')
       print_table(rows)
-      for kind, xpath, regex, _ in case['kinds']:
+      for kind, xpath, regex, *_ in case['kinds']:
         print(f'  {kind}: YAX {xpath}; Qwix module_path {regex!r}')
       for n in notes:
         print(f'  note: {n}')

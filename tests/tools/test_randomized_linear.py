@@ -2,8 +2,8 @@
 gradient are exact, the kernel gradient is unbiased (its mean over many
 sketches is the exact gradient, within standard error), and the residual
 kept for the kernel gradient is the sketch, [k, d]. Composed with remat,
-lora and quantize, inside nn.scan bodies, on NNX, under jit/vmap and on a
-2x4 mesh of host devices."""
+lora, quantize and fewbit, inside nn.scan and nn.remat bodies, on NNX,
+under jit/vmap and on a 2x4 mesh of host devices."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import yax
+from yax._src.tools import randomized
 from helpers import (assert_trees_close, check_rewrite, run_on_host_devices,
                      saved_residuals)
 
@@ -57,6 +58,17 @@ VARS = BLOCK.init(jax.random.key(0), X)
 
 def loss(apply):
   return lambda v, x, *key: jnp.sum(jnp.sin(apply(v, x, *key)))
+
+
+def assert_exact(new, apply, v, x=X):
+  """``new``'s forward pass is ``apply``'s bit for bit and its input
+  gradient is exact; returns ``new``'s loss of ``(v, x, key)``."""
+  np.testing.assert_array_equal(yax.eval_mox(new, v, x, sketch_key=KEY),
+                                apply(v, x))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  assert_trees_close(jax.grad(mine, 1)(v, x, KEY),
+                     jax.grad(loss(apply), 1)(v, x), rtol=1e-5, atol=1e-6)
+  return mine
 
 
 @pytest.fixture(scope='module')
@@ -148,6 +160,41 @@ def test_the_residual_is_the_sketch(b, t, d, ratio):
                      atol=1e-6)
 
 
+def test_the_sketch_is_drawn_and_applied_in_blocks(monkeypatch):
+  # 15 rows, k = 6, blocks of 4 rows: three blocks and a remainder of 3.
+  monkeypatch.setattr(randomized, 'BLOCK_ENTRIES', 25)
+  model = nn.Dense(6)
+  x = jax.random.normal(jax.random.key(3), (3, 5, 4))
+  v = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  new = check_rewrite(yax.randomized_linear(
+      mox, '//module_call[@type="Dense"]', ratio=0.4))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  got = jax.jit(jax.grad(mine))(v, x, KEY)['params']['kernel']
+  # S, row block b from fold_in(site key, b), N(0, 1/k) entries.
+  site = jax.random.fold_in(KEY, 0)
+  s = jnp.concatenate([
+      jax.random.normal(jax.random.fold_in(site, b), (rows, 6)) / math.sqrt(6)
+      for b, rows in enumerate((4, 4, 4, 3))])
+  np.testing.assert_array_equal(
+      randomized.sketch_matrix(site, 15, 6, 'gaussian'), s)
+  xf = np.asarray(x, np.float64).reshape(15, 4)
+  g = np.cos(xf @ np.asarray(v['params']['kernel'], np.float64) +
+             np.asarray(v['params']['bias'], np.float64))  # d sum(sin(y))/dy
+  s = np.asarray(s, np.float64)
+  np.testing.assert_allclose(got, (s.T @ xf).T @ (s.T @ g), rtol=1e-4,
+                             atol=1e-5)
+  assert saved_residuals(mine, v, x, KEY) == sorted(
+      ['f32[6,4]', 'u32[2]', 'f32[3,5,6]'])
+  # Still unbiased over the blocks.
+  n = 1000
+  keys = jax.random.split(jax.random.PRNGKey(4), n)
+  sampled = jax.jit(jax.vmap(
+      lambda k: jax.grad(mine)(v, x, k)['params']['kernel']))(keys)
+  assert_unbiased(sampled, jax.grad(loss(model.apply))(v, x)['params'][
+      'kernel'], n)
+
+
 def test_missing_sketch_key_and_refusals(block_mox):
   new = yax.randomized_linear(block_mox, LINEAR)
   with pytest.raises(yax.SignatureError, match="kwargs\\['sketch_key'\\]"):
@@ -235,12 +282,7 @@ def test_inside_an_nn_scan_body_under_jit_and_vmap():
   v = model.init(jax.random.key(0), X)
   mox = yax.make_mox(model.apply)(v, X)
   new = check_rewrite(yax.randomized_linear(mox, LINEAR))
-  np.testing.assert_array_equal(yax.eval_mox(new, v, X, sketch_key=KEY),
-                                model.apply(v, X))
-  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
-  assert_trees_close(jax.grad(mine, 1)(v, X, KEY),
-                     jax.grad(loss(model.apply), 1)(v, X), rtol=1e-5,
-                     atol=1e-6)
+  mine = assert_exact(new, model.apply, v)
   xs = jnp.stack([X, -X])
   got = jax.jit(jax.vmap(lambda x: yax.eval_mox(new, v, x, sketch_key=KEY)))(
       xs)
@@ -255,6 +297,27 @@ def test_inside_an_nn_scan_body_under_jit_and_vmap():
                   e['params']['layers']['Dense_0']['kernel'], n)
   # The key is a loop constant of the scan: one input, not one per layer.
   assert len(new.inputs) == len(mox.inputs) + 1
+
+
+class RematBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(Block)(name='b')(x)
+
+
+def test_inside_an_nn_remat_body(block_mox):
+  model = RematBlock()
+  v = {'params': {'b': VARS['params']}}
+  mox = yax.make_mox(model.apply)(v, X)
+  new = check_rewrite(yax.randomized_linear(mox, LINEAR))
+  mine = assert_exact(new, model.apply, v)
+  # The recomputed forward draws the same sketches as the same layers
+  # outside nn.remat.
+  flat = yax.randomized_linear(block_mox, LINEAR)
+  ref = jax.grad(loss(lambda v, x, k: yax.eval_mox(flat, v, x, sketch_key=k)))(
+      VARS, X, KEY)
+  assert_trees_close(jax.grad(mine)(v, X, KEY)['params']['b'], ref['params'],
+                     rtol=1e-5, atol=1e-6)
 
 
 class NMLP(nnx.Module):
@@ -276,11 +339,7 @@ def test_on_nnx():
   mox = yax.make_mox(apply)(state, X)
   new = check_rewrite(yax.randomized_linear(
       mox, '//module_call[@type="Linear"]', ratio=0.5))
-  np.testing.assert_array_equal(yax.eval_mox(new, state, X, sketch_key=KEY),
-                                apply(state, X))
-  mine = loss(lambda s, x, k: yax.eval_mox(new, s, x, sketch_key=k))
-  assert_trees_close(jax.grad(mine, 1)(state, X, KEY),
-                     jax.grad(loss(apply), 1)(state, X), rtol=1e-5, atol=1e-6)
+  mine = assert_exact(new, apply, state)
   n = 800
   keys = jax.random.split(jax.random.PRNGKey(2), n)
   g = jax.jit(jax.vmap(lambda k: jax.grad(mine)(state, X, k)))(keys)

@@ -68,6 +68,18 @@ def loss_of(apply):
   return lambda v, x: jnp.sum(jnp.cos(apply(v, x)))
 
 
+def assert_same_training(new, ref_apply, v=VARS, x=X):
+  """``new`` gives ``ref_apply``'s outputs, gradients and saved residuals;
+  returns both losses of ``(v, x)``."""
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(ref_apply)
+  assert_trees_close(yax.eval_mox(new, v, x), ref_apply(v, x))
+  assert_trees_close(jax.grad(mine)(v, x), jax.grad(theirs)(v, x),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v, x) == saved_residuals(theirs, v, x)
+  return mine, theirs
+
+
 @pytest.fixture(scope='module')
 def stack_mox():
   return yax.make_mox(STACK.apply)(VARS, X)
@@ -83,13 +95,7 @@ def test_remat_equals_nn_remat(stack_mox, policy):
   assert xml(stack_mox) == before  # mox unchanged
   fn = policy if not isinstance(policy, str) else getattr(
       jax.checkpoint_policies, policy)
-  ref = Stack(remat=True, policy=fn)
-  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
-  theirs = loss_of(ref.apply)
-  assert_trees_close(yax.eval_mox(new, VARS, X), ref.apply(VARS, X))
-  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
-                     rtol=1e-5, atol=1e-6)
-  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  mine, theirs = assert_same_training(new, Stack(remat=True, policy=fn).apply)
   assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
   # Remat changes what is kept: without a policy only the inputs are.
   if policy is None:
@@ -123,6 +129,38 @@ def test_save_keeps_the_selected_outputs(stack_mox):
   assert got.count('f32[4,6,16]') == 2 and got.count('f32[4,6,8]') >= 2
   assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
   assert len(equations(new, prim='name')) == 4
+
+
+class NamedTanhBlock(nn.Module):
+  """Block naming its last tanh: the reference for save= on an equation."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    t = jax.ad_checkpoint.checkpoint_name(jnp.tanh(jax.nn.gelu(h)), 't')
+    return x + jnp.sin(nn.Dense(8)(t))
+
+
+class NamedTanhStack(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    policy = jax.checkpoint_policies.save_only_these_names('t')
+    for i in range(2):
+      x = nn.remat(NamedTanhBlock, policy=policy)(name=f'block{i}')(x)
+    return nn.Dense(3)(x)
+
+
+def test_save_keeps_an_equation_output(stack_mox):
+  new = check_rewrite(yax.remat(
+      stack_mox, '//module_call[@type="Block"]',
+      save='//module_call[@type="Block"]/tanh[last()]'))
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x))
+  theirs = loss_of(NamedTanhStack().apply)
+  assert_trees_close(jax.grad(mine)(VARS, X), jax.grad(theirs)(VARS, X),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, VARS, X) == saved_residuals(theirs, VARS, X)
+  assert xla_memory(mine, VARS, X) == xla_memory(theirs, VARS, X)
 
 
 def test_refusals(stack_mox):
@@ -177,6 +215,38 @@ def test_remat_inside_an_nn_scan_body():
   assert xla_memory(mine, v, X) == xla_memory(theirs, v, X)
 
 
+class DenseRematBlock(nn.Module):
+  """Block with its first Dense under nn.remat: the reference for yax.remat
+  of a call inside an nn.remat body."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.remat(nn.Dense)(16, name='Dense_0')(x)
+    y = nn.Dense(8, name='Dense_1')(jnp.tanh(jax.nn.gelu(h)))
+    return x + jnp.sin(y)
+
+
+class RematStack(nn.Module):
+  inner: bool = False  # the reference: nn.remat inside nn.remat
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(DenseRematBlock if self.inner else Block)
+    for i in range(2):
+      x = block(name=f'block{i}')(x)
+    return nn.Dense(3)(x)
+
+
+def test_remat_inside_an_nn_remat_body():
+  model = RematStack()
+  mox = yax.make_mox(model.apply)(VARS, X)
+  new = check_rewrite(yax.remat(
+      mox, '//module_call[@type="Dense" and @name="Dense_0" and '
+      'ancestor::module_call[@type="Block"]]'))
+  assert xml(new).count('remat="nothing_saveable"') == 2
+  assert_same_training(new, RematStack(inner=True).apply)
+
+
 class NBlock(nnx.Module):
   def __init__(self, rngs):
     self.fc1 = nnx.Linear(8, 16, rngs=rngs)
@@ -213,12 +283,7 @@ def test_remat_equals_nnx_remat():
 
   mox = yax.make_mox(plain)(state, X)
   new = check_rewrite(yax.remat(mox, '//module_call[@type="NBlock"]'))
-  mine = loss_of(lambda s, x: yax.eval_mox(new, s, x))
-  theirs = loss_of(reference)
-  assert_trees_close(yax.eval_mox(new, state, X), reference(state, X))
-  assert_trees_close(jax.grad(mine)(state, X), jax.grad(theirs)(state, X),
-                     rtol=1e-5, atol=1e-6)
-  assert saved_residuals(mine, state, X) == saved_residuals(theirs, state, X)
+  mine, theirs = assert_same_training(new, reference, state)
   assert xla_memory(mine, state, X) == xla_memory(theirs, state, X)
 
 

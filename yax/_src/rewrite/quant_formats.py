@@ -5,9 +5,13 @@ Used by ``yax.quantize`` and by ``yax.lora``'s merge on a quantized tree."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from yax._src.compat import jit_quick_on_cpu
 
 # The 16 NormalFloat levels (Dettmers et al., QLoRA, 2023, appendix E).
 NF4_LEVELS = np.array([
@@ -64,27 +68,72 @@ def quantize_array(w, fmt: str, contracted: tuple, tile: int | None = None):
   """``(q, scale)``: ``w`` stored in ``fmt`` with absmax scales over the
   ``contracted`` axes (kept as size-1 axes in ``scale``), or over each
   ``tile`` elements of them (flattened in kernel order)."""
-  if tile is not None:
-    tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
-    q, scale = quantize_array(tiles, fmt, (1,))
-    return back(q), scale
-  dtype, top, _ = FORMATS[fmt]
-  w = jnp.asarray(w, jnp.float32)
+  dtype = FORMATS[fmt][0]
+  if tile is None:
+    codes, scale = _codes(jnp.asarray(w, jnp.float32), fmt, contracted)
+    return codes.astype(dtype), scale
+  tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
+  codes, scale = _codes(tiles, fmt, (1,))
+  # The barrier keeps XLA from fusing the transpose back to kernel order
+  # with the cast: jaxlib 0.8.0's CPU backend compiles that fusion, for a
+  # 4-bit type, into code that corrupts the heap ("malloc_consolidate():
+  # invalid chunk size"; tests/tools/test_quantize.py, int4 tiles).
+  return jax.lax.optimization_barrier(back(codes)).astype(dtype), scale
+
+
+def _codes(w, fmt: str, contracted: tuple):
+  """The codes of ``w`` before their cast to ``fmt``'s storage type (as
+  float32, or int32 for nf4) and the absmax scales."""
+  _, top, _ = FORMATS[fmt]
   absmax = jnp.max(jnp.abs(w), axis=contracted, keepdims=True)
   scale = jnp.where(absmax > 0, absmax / top, 1.0).astype(jnp.float32)
   if fmt == 'nf4':
     x = w / scale
-    codes = jnp.argmin(jnp.abs(x[..., None] - NF4_LEVELS), axis=-1)
-    return codes.astype(dtype), scale
+    return jnp.argmin(jnp.abs(x[..., None] - NF4_LEVELS), axis=-1), scale
   if fmt == 'fp8':
-    return (w / scale).astype(dtype), scale
+    return w / scale, scale
   # The absmax maps to +-(2^(bits-1) - 1/2), so every code of the signed
   # range [-2^(bits-1), 2^(bits-1) - 1] is used (Qwix's convention: a
   # finer step than +-127, +-7). The absmax itself is a rounding tie, set
   # exactly so that it breaks the same way everywhere (-128, and 128
   # clipped to 127).
   x = jnp.where(jnp.abs(w) == absmax, jnp.sign(w) * top, w / scale)
-  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5).astype(dtype), scale
+  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5), scale
+
+
+def per_slice(fn, stack: int):
+  """``fn`` applied to each slice of ``stack`` leading axes."""
+  for _ in range(stack):
+    fn = jax.vmap(fn)
+  return fn
+
+
+def _quantize_slices(kernel, fmt: str, contracted: tuple, tile, stack: int):
+  return per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                   stack)(kernel)
+
+
+# The compile is most of a first quantize on CPU (BERT-base: three kernel
+# shapes), hence XLA's quicker CPU emitters where it has them (see compat)
+# for int8 and int4 (elementwise ops, rounded and clipped in float32, then
+# converted exactly). Not for fp8, whose float32 -> float8 conversion the
+# older emitters of JAX 0.8's XLA round differently, nor nf4, whose tiled
+# program they abort on (both measured).
+_compiled = jax.jit(_quantize_slices, static_argnums=(1, 2, 3, 4))
+_compiled_quickly = jit_quick_on_cpu(_quantize_slices,
+                                     static_argnums=(1, 2, 3, 4))
+
+
+def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
+                    stack: int = 0):
+  """``quantize_array`` per slice of ``stack`` leading axes, compiled once
+  per kernel shape. Every tool that stores a kernel quantized calls this
+  one function, so they store the same codes and scales: compiled, XLA
+  may divide by the constant as a product with its reciprocal, one ulp
+  away from the eager division (jax 0.8.0 does, on the CPU)."""
+  run = _compiled_quickly if fmt in ('int8', 'int4') else _compiled
+  return run(kernel, fmt, contracted, tile, stack)
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
-from yax._src.compat import jit_quick_on_cpu
 from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
 from yax._src.ir.containers import get_in, set_in, set_many, without
@@ -35,7 +34,8 @@ from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
 from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
-                                            quantize_array, scale_shape)
+                                            per_slice, quantize_array,
+                                            quantize_kernel, scale_shape)
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 
@@ -352,13 +352,15 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
   # it.
   where = prefix[:2]  # the argument that holds the params
   plan_at = {t.keypath: t.plan for t in targets}
-  added = {(*done.collections[loc[0]], *loc[1:]): var
-           for loc, var in done.added.items()}
+  # A location names modules by path (strings); a key path may hold the
+  # int index of a list (an nnx.List's state): compared as strings.
+  added = {tuple(map(str, (*done.collections[loc[0]], *loc[1:])))
+           for loc in done.added}
   values, stored = [], {}
   for keypath, var in sorted(done.retyped.items(), key=lambda kv: str(kv[0])):
     plan = plan_at[keypath]
     scale_path = (*keypath[:-1], f'{plan.kernel_name}_scale')
-    if scale_path not in added:
+    if tuple(map(str, scale_path)) not in added:
       raise SubstitutionError(
           f'internal: quantize stored {keypath} quantized but placed no '
           f'scale at {scale_path}')
@@ -366,7 +368,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     boxed = get_in(params, keys)
     kernel = unboxed(boxed)
     stack = var.aval.ndim - len(plan.kernel_shape)
-    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack)
     values.append((keys, boxed_like(boxed, q)))
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    else _nnx.variable_holding('Param', scale)))
@@ -390,38 +392,6 @@ class _Stored:
   dtype: Any
 
 
-def _per_slice(fn, stack: int):
-  """``fn`` applied to each slice of ``stack`` leading axes."""
-  for _ in range(stack):
-    fn = jax.vmap(fn)
-  return fn
-
-
-def _quantize_slices(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  """``quantize_array`` per slice."""
-  return _per_slice(functools.partial(
-      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
-                    stack)(kernel)
-
-
-# Compiled once per kernel shape: run op by op, each of its operations would
-# compile for every new shape. The compile is most of a first quantize on
-# CPU, hence XLA's quicker CPU emitters where it has them (see compat) for
-# int8 and int4 (elementwise ops, rounded and clipped in float32, then
-# converted exactly). Not for fp8, whose float32 -> float8 conversion the
-# older emitters of JAX 0.8's XLA round differently, nor nf4, whose tiled
-# program they abort on (both measured).
-_quantize_plain = jax.jit(_quantize_slices, static_argnums=(1, 2, 3, 4))
-_quantize_quick = jit_quick_on_cpu(_quantize_slices,
-                                   static_argnums=(1, 2, 3, 4))
-
-
-def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  """``(q, scale)`` of ``kernel`` (per slice of ``stack`` leading axes)."""
-  run = _quantize_quick if fmt in ('int8', 'int4') else _quantize_plain
-  return run(kernel, fmt, contracted, tile, stack)
-
-
 def dequantize(params, *, stored: dict, weight: str):
   """Float params for the tree ``quantize`` started from: each kernel of
   ``stored`` (key path in ``params`` -> :class:`_Stored`) dequantized and
@@ -432,7 +402,7 @@ def dequantize(params, *, stored: dict, weight: str):
     module = get_in(out, keys[:-1])
     boxed = get_in(out, keys)
     scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
-    value = _per_slice(functools.partial(
+    value = per_slice(functools.partial(
         dequantize_array, fmt=weight, dtype=kernel.dtype,
         contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
     out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),

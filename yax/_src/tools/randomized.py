@@ -47,23 +47,72 @@ def _free_axes(ndim: int, contracting, batch) -> list[int]:
   return [a for a in range(ndim) if a not in contracting and a not in batch]
 
 
-def sketch_matrix(key, n: int, k: int, kind: str, dtype):
-  """``S: [n, k]`` with ``E[S S^T] = I``."""
+# The sketch is drawn and applied in blocks of rows of at most this many
+# entries (16 MiB in float32): ``S`` has ``k * n = ratio * n**2`` entries,
+# more than the input itself at BERT-base's batch 128 (n = 16384 rows: a
+# whole ``S`` of 205 MiB per layer, where the input is 48 MiB), so it is
+# never built whole, in the forward or the backward pass.
+BLOCK_ENTRIES = 2 ** 22
+
+
+def _block_rows(n: int, k: int) -> int:
+  return max(1, min(n, BLOCK_ENTRIES // k))
+
+
+def _draw(key, rows: int, k: int, kind: str):
+  """``rows`` rows of ``S``, iid, with ``E[S S^T] = I``."""
   if kind == 'gaussian':
-    s = jax.random.normal(key, (n, k), jnp.float32)
+    s = jax.random.normal(key, (rows, k), jnp.float32)
   else:
-    s = jax.random.rademacher(key, (n, k), jnp.float32)
-  return (s / np.sqrt(k)).astype(dtype)
+    s = jax.random.rademacher(key, (rows, k), jnp.float32)
+  return s / np.sqrt(k)
 
 
-def _sketch_rows(s, value, axes: list[int]):
+def sketch_matrix(key, n: int, k: int, kind: str, dtype=jnp.float32):
+  """The whole ``S: [n, k]`` that :func:`sketch` applies block by block:
+  row block ``b`` is drawn from ``fold_in(key, b)``. (For inspection and
+  tests: the rewrite never builds it.)"""
+  rows = _block_rows(n, k)
+  blocks = [_draw(jax.random.fold_in(key, b), min(rows, n - start), k, kind)
+            for b, start in enumerate(range(0, n, rows))]
+  return jnp.concatenate(blocks).astype(dtype)
+
+
+def sketch(key, flat, k: int, kind: str):
+  """``S^T flat`` (``flat: [n, m]`` -> ``[k, m]``), accumulated in float32
+  over row blocks of ``S`` drawn one at a time (a loop, so that only one
+  block is alive)."""
+  n, m = flat.shape
+  rows = _block_rows(n, k)
+  full, rest = divmod(n, rows)
+
+  def term(b, block):
+    s = _draw(jax.random.fold_in(key, b), block.shape[0], k, kind)
+    return jnp.dot(s.astype(flat.dtype).T, block,
+                   preferred_element_type=jnp.float32)
+
+  if full == 1:
+    acc = term(0, flat[:rows])
+  else:
+    blocks = flat[:full * rows].reshape(full, rows, m)
+    acc, _ = jax.lax.scan(lambda acc, xs: (acc + term(*xs), None),
+                          jnp.zeros((k, m), jnp.float32),
+                          (jnp.arange(full), blocks))
+  if rest:
+    acc = acc + term(full, flat[full * rows:])
+  return acc.astype(flat.dtype)
+
+
+def _sketch_rows(key, value, axes: list[int], k: int, kind: str):
   """``S^T`` applied to the positions ``axes`` of ``value`` (flattened in
   order): those axes become one axis of size ``k`` at ``axes[0]``."""
   rest = [a for a in range(value.ndim) if a not in axes]
+  n = math.prod(value.shape[a] for a in axes)
   flat = jnp.transpose(value, (*axes, *rest)).reshape(
-      (s.shape[0], *(value.shape[a] for a in rest)))
-  out = jnp.tensordot(s.T, flat, axes=1)  # [k, *rest]
-  return jnp.moveaxis(out, 0, axes[0] if axes else 0), rest
+      (n, math.prod(value.shape[a] for a in rest)))
+  out = sketch(key, flat, k, kind).reshape(
+      (k, *(value.shape[a] for a in rest)))
+  return jnp.moveaxis(out, 0, axes[0] if axes else 0)
 
 
 def sketched_dot(params: dict, x_side: int, x_shape: tuple, ratio: float,
@@ -89,8 +138,7 @@ def sketched_dot(params: dict, x_side: int, x_shape: tuple, ratio: float,
     xf = _free_axes(x.ndim, xc, xb)
     n = math.prod(x.shape[a] for a in xf)
     k = max(1, math.ceil(ratio * n))
-    s = sketch_matrix(key, n, k, kind, x.dtype)
-    sx, _ = _sketch_rows(s, x, xf)
+    sx = _sketch_rows(key, x, xf, k, kind)
     return jax.lax.dot_general_p.bind(lhs, rhs, **params), (sx, w, key)
 
   def bwd(res, g):
@@ -101,15 +149,13 @@ def sketched_dot(params: dict, x_side: int, x_shape: tuple, ratio: float,
     # The kernel gradient from the sketches: the sketched input is an
     # operand with one free axis of k rows, where the input had n rows.
     xf = _free_axes(len(x_shape), xc, xb)
-    n = math.prod(x_shape[a] for a in xf)
     k = sx.shape[xf[0]] if xf else 1
-    s = sketch_matrix(key, n, k, kind, g.dtype)
     nb, x_nfree = len(xb), len(xf)
     k_nfree = w.ndim - len(kc) - len(kb)
     # Where the input's free axes sit in the output: after the batch axes
     # for the lhs, after the kernel's free axes for the rhs.
     start = nb if x_side == 0 else nb + k_nfree
-    sg, _ = _sketch_rows(s, g, list(range(start, start + x_nfree)))
+    sg = _sketch_rows(key, g, list(range(start, start + x_nfree)), k, kind)
     # Axes of the sketched input: the free axes collapsed into one.
     keep = [a for a in range(len(x_shape)) if a not in xf[1:]]
     new = {a: i for i, a in enumerate(keep)}

@@ -16,15 +16,17 @@ memory are those of the model written with ``nn.remat``.
 rematerialized call gets a ``checkpoint_name`` on each output, and the
 call's policy also saves those names (``save_only_these_names``).
 
-The rewrite goes through the substitution engine (``_engine.substitute``):
-the replacement of a call is the call itself with the new body.
+The rewrite goes through the substitution engine (``substitute``): the
+replacement of a call is the call itself with its body moved into the
+``checkpoint`` equation, and the names of ``save`` are spliced into that
+body by the engine as well.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.ad_checkpoint
@@ -32,8 +34,9 @@ from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
 from yax._src.ir import lower as _lower
-from yax._src.ir.nodes import Equation, Expr, Literal, Mox, Symbol, Var
-from yax._src.rewrite.engine import describe, select, substitute
+from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
+                               leaf_equations)
+from yax._src.rewrite.engine import describe, non_literals, select, substitute
 
 
 # --------------------------------------------------------------- policies
@@ -115,99 +118,77 @@ class Remat:
   module's call (a rewrite that added variables or inputs, such as
   ``lora`` or ``quantize``, made it ephemeral): only its path is left."""
 
-class _BodyCopy:
-  """A copy of a call's body with fresh symbols (a closed body of its own)
-  and a ``checkpoint_name`` after each output of a node to save."""
 
-  def __init__(self, node: Mox, save: dict[int, str]):
-    self.node = node
-    self.save = save  # id(node) -> name prefix
-    self.env: dict[Symbol, Symbol] = {}
-    self.names: list[str] = []
+def _name_after(node: Expr, prefix: str, names: list[str]) -> Expr:
+  """The save target ``node`` with a ``checkpoint_name`` on each output,
+  as a replacement the engine splices: a module call names its outputs as
+  its last equations (the engine wires its own variables back); an
+  equation, or a call with no Flax module of its own, is followed by the
+  names. The names given are appended to ``names``."""
+  equations, outputs = [], []
+  for i, sym in enumerate(node.outputs):
+    if isinstance(sym, Literal) or sym.aval is None or sym.dropped:
+      outputs.append(sym)
+      continue
+    eqn, named = _name_equation(sym, f'{prefix}:{i}')
+    names.append(f'{prefix}:{i}')
+    equations.append(eqn)
+    outputs.append(named)
+  if isinstance(node, Mox) and not node.is_ephemeral:
+    return node.replace(children=[*node.children, *equations],
+                        outputs=outputs)
+  inputs = non_literals(node.inputs)
+  return Mox(inputs, outputs, {}, children=[node, *equations],
+             in_tree=jtu.tree_structure(tuple(inputs)),
+             out_tree=jtu.tree_structure(tuple(outputs)),
+             debug_info=_lower.new_debug_info(f'yax.remat.{prefix}'))
 
-  def read(self, sym: Symbol) -> Symbol:
-    if isinstance(sym, Literal):
-      return sym
-    try:
-      return self.env[sym]
-    except KeyError:
-      raise SubstitutionError(
-          f'remat: the body of {describe(self.node)} reads a value of type '
-          f'{sym.type_str} that is neither an input of the call nor computed '
-          'in it; the call cannot be rematerialized on its own') from None
 
-  def define(self, sym: Symbol) -> Symbol:
-    if isinstance(sym, Literal):
-      return sym
-    new = Var(sym.aval, dropped=sym.dropped)
-    self.env[sym] = new
-    return new
-
-  def copy(self, expr: Expr) -> list[Expr]:
-    if isinstance(expr, Equation):
-      inputs = [self.read(s) for s in expr.inputs]
-      bodies = [self.copy_closed(b) for b in expr.children]
-      outputs = [self.define(s) for s in expr.outputs]
-      new = expr.replace(inputs=inputs, outputs=outputs, children=bodies)
-      old_outputs = expr.outputs
-    else:
-      inputs = [self.read(s) for s in expr.inputs]
-      children = [c for child in expr.children for c in self.copy(child)]
-      outputs = [self.read(s) for s in expr.outputs]
-      new = expr.replace(inputs=inputs, outputs=outputs, children=children)
-      old_outputs = expr.outputs
-    out = [new]
-    prefix = self.save.get(id(expr))
-    if prefix is not None:
-      for i, old in enumerate(old_outputs):
-        if isinstance(old, Literal) or old.aval is None:
-          continue
-        name = f'{prefix}:{i}'
-        eqn, named = _name_equation(self.env[old], name)
-        self.env[old] = named  # later readers read the named value
-        self.names.append(name)
-        out.append(eqn)
-    return out
-
-  def copy_closed(self, body: Mox) -> Mox:
-    constvars = [self.define(s) for s in body.constvars]
-    inputs = [self.define(s) for s in body.inputs]
-    children = [c for child in body.children for c in self.copy(child)]
-    outputs = [self.read(s) for s in body.outputs]
-    return body.replace(inputs=inputs, outputs=outputs, children=children,
-                        constvars=constvars)
+def _reads_outside(node: Mox) -> Symbol | None:
+  """A value the body of ``node`` reads that is neither an input of the
+  call nor computed in it (a module attribute computed by the caller)."""
+  defined = set(node.inputs)
+  for eqn in leaf_equations(node):
+    for sym in eqn.inputs:
+      if not isinstance(sym, Literal) and sym not in defined:
+        return sym
+    defined.update(eqn.outputs)
+  return None
 
 
 def _outer_inputs(node: Mox) -> list[Symbol]:
   """The call's dynamic inputs, each once, in order."""
-  seen, out = set(), []
-  for s in node.inputs:
-    if isinstance(s, Literal) or s in seen:
-      continue
-    seen.add(s)
-    out.append(s)
-  return out
+  return list(dict.fromkeys(non_literals(node.inputs)))
 
 
 def remat_template(node: Mox, policy_fn, label: str,
-                   save: dict[int, str]) -> Mox:
-  """``node`` with its body inside one ``checkpoint`` equation."""
+                   save: dict[int, tuple[Expr, str]]) -> Mox:
+  """``node`` with its body inside one ``checkpoint`` equation, and a
+  ``checkpoint_name`` on each output of the ``save`` nodes of its body
+  (``id(node) -> (node, name prefix)``).
+  The template reads the node's own symbols; the engine copies it (the
+  ``checkpoint`` body with symbols of its own)."""
+  outside = _reads_outside(node)
+  if outside is not None:
+    raise SubstitutionError(
+        f'remat: the body of {describe(node)} reads a value of type '
+        f'{outside.type_str} that is neither an input of the call nor '
+        'computed in it; the call cannot be rematerialized on its own')
   sample, _ = _sample_equations()
-  copy = _BodyCopy(node, save)
   outer = _outer_inputs(node)
-  body_inputs = [copy.define(s) for s in outer]
-  children = [c for child in node.children for c in copy.copy(child)]
-  dynamic_outs = [s for s in node.outputs
-                  if not isinstance(s, Literal)]
-  body_outputs = [copy.read(s) for s in dynamic_outs]
-  if copy.names:
-    only = jax.checkpoint_policies.save_only_these_names(*copy.names)
+  dynamic_outs = non_literals(node.outputs)
+  body = Mox(outer, dynamic_outs, {}, children=list(node.children),
+             in_tree=jtu.tree_structure(tuple(outer)),
+             out_tree=jtu.tree_structure(tuple(dynamic_outs)),
+             debug_info=_lower.new_debug_info('yax.remat'))
+  if save:  # the engine names them, inside the body
+    names: list[str] = []
+    body = substitute([n for n, _ in save.values()],
+                      lambda path, n: _name_after(n, save[id(n)][1], names),
+                      body).mox
+    only = jax.checkpoint_policies.save_only_these_names(*names)
     policy_fn = only if policy_fn is None else \
         jax.checkpoint_policies.save_from_both_policies(policy_fn, only)
-  body = Mox(body_inputs, body_outputs, {}, children=children,
-             in_tree=jtu.tree_structure(tuple(body_inputs)),
-             out_tree=jtu.tree_structure(tuple(body_outputs)),
-             debug_info=_lower.new_debug_info('yax.remat'))
   outs = [Var(s.aval) for s in dynamic_outs]
   params = {k: v for k, v in sample.params.items() if k != 'jaxpr'}
   params.update(policy=policy_fn, prevent_cse=True, differentiated=False)
@@ -227,9 +208,9 @@ def remat_template(node: Mox, policy_fn, label: str,
 
 # ------------------------------------------------------------- the rewrite
 
-def _save_targets(save, mox: Mox, calls) -> dict[int, dict[int, str]]:
+def _save_targets(save, mox: Mox, calls) -> dict[int, dict]:
   """For each selected call, the nodes of its body that ``save`` selects:
-  ``id(call) -> {id(node): checkpoint name prefix}``."""
+  ``id(call) -> {id(node): (node, checkpoint name prefix)}``."""
   if save is None:
     return {}
   chosen = select(save, mox)
@@ -243,7 +224,8 @@ def _save_targets(save, mox: Mox, calls) -> dict[int, dict[int, str]]:
       outside.append(target)
       continue
     where = '/'.join(getattr(target, 'path', ()) or ()) or str(k)
-    by_call.setdefault(id(owner), {})[id(target)] = f'yax.save:{where}:{k}'
+    by_call.setdefault(id(owner), {})[id(target)] = (
+        target, f'yax.save:{where}:{k}')
   if outside and len(outside) == len(chosen.targets):
     raise SubstitutionError(
         f'remat: save={chosen.description} selects no node inside the '
