@@ -197,8 +197,9 @@ def main(argv=None) -> None:
   parser.add_argument('--alpha', type=float, default=16.0)
   parser.add_argument('--goals-only', action='store_true',
                       help='print the goals table only')
-  parser.add_argument('--trace-repeats', type=int, default=5,
-                      help='interleaved tracing runs per median (default 5)')
+  parser.add_argument('--trace-repeats', type=int, default=11,
+                      help='interleaved tracing runs per median (default 11, '
+                      'as trace_eval.py)')
   parser.add_argument('--fresh-repeats', type=int, default=3,
                       help='fresh traced trees per rewrite median after '
                       'the first (default 3)')
