@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import operator
 
-import jax
-
 # Why: a new primitive (the boundary markers of `trace/markers.py`) needs batching,
 # JVP and lowering rules; `jax.interpreters.{ad,batching,mlir}` hold the rule
 # tables JAX documents for that ("How JAX primitives work"), and `jax.extend`
@@ -189,44 +187,3 @@ def linen_variable_names(scope) -> list[tuple[str, str]]:
   return [(col, name) for name, cols in reserved.items() for col in cols
           if col is not None]
 
-
-# Why: XLA's CPU fusion emitters (XLA's default in JAX 0.5 to 0.11) take
-# about twice as long to compile a small elementwise program as its older
-# emitters, and ``yax.quantize`` compiles one such program per kernel shape
-# while the user waits (BERT-base, int8, three shapes: 0.37 s of compiling
-# against 0.22 s, run times alike, outputs identical in every format). The
-# switch is an XLA debug option passed per compilation through the public
-# ``compiler_options`` of ``jax.jit``; an XLA that no longer has it (JAX
-# 0.12 keeps only the fusion emitters) refuses it, and the default is used.
-QUICK_CPU_COMPILE = {'xla_cpu_use_fusion_emitters': False}
-
-
-def jit_quick_on_cpu(fn, **jit_kwargs):
-  """``jax.jit(fn, **jit_kwargs)``, compiled with :data:`QUICK_CPU_COMPILE`
-  where every argument lives on CPU and XLA knows the option."""
-  plain = jax.jit(fn, **jit_kwargs)
-  quick = jax.jit(fn, compiler_options=QUICK_CPU_COMPILE, **jit_kwargs)
-  refused = []  # non-empty once XLA has refused the option
-
-  @functools.wraps(fn)
-  def call(*args):
-    if refused or not _all_on_cpu(args):
-      return plain(*args)
-    try:
-      return quick(*args)
-    except Exception as e:  # noqa: BLE001 - only the refusal is handled
-      if 'No such compile option' not in str(e):
-        raise
-      refused.append(e)
-      return plain(*args)
-  return call
-
-
-def _all_on_cpu(args) -> bool:
-  """Whether a ``jit`` of ``args`` runs on CPU: every ``jax.Array`` among
-  them on CPU devices, and the default backend CPU (where other values,
-  NumPy arrays, go)."""
-  if jax.default_backend() != 'cpu':
-    return False
-  return all(d.platform == 'cpu' for x in jax.tree_util.tree_leaves(args)
-             if isinstance(x, jax.Array) for d in x.devices())

@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from yax._src.compat import jit_quick_on_cpu
-
 # The 16 NormalFloat levels (Dettmers et al., QLoRA, 2023, appendix E).
 NF4_LEVELS = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -108,23 +106,7 @@ def per_slice(fn, stack: int):
   return fn
 
 
-def _quantize_slices(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  return per_slice(functools.partial(
-      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
-                   stack)(kernel)
-
-
-# The compile is most of a first quantize on CPU (BERT-base: three kernel
-# shapes), hence XLA's quicker CPU emitters where it has them (see compat)
-# for int8 and int4 (elementwise ops, rounded and clipped in float32, then
-# converted exactly). Not for fp8, whose float32 -> float8 conversion the
-# older emitters of JAX 0.8's XLA round differently, nor nf4, whose tiled
-# program they abort on (both measured).
-_compiled = jax.jit(_quantize_slices, static_argnums=(1, 2, 3, 4))
-_compiled_quickly = jit_quick_on_cpu(_quantize_slices,
-                                     static_argnums=(1, 2, 3, 4))
-
-
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
                     stack: int = 0):
   """``quantize_array`` per slice of ``stack`` leading axes, compiled once
@@ -132,8 +114,9 @@ def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
   one function, so they store the same codes and scales: compiled, XLA
   may divide by the constant as a product with its reciprocal, one ulp
   away from the eager division (jax 0.8.0 does, on the CPU)."""
-  run = _compiled_quickly if fmt in ('int8', 'int4') else _compiled
-  return run(kernel, fmt, contracted, tile, stack)
+  return per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                   stack)(kernel)
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
