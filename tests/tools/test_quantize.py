@@ -442,3 +442,32 @@ def test_qlora_on_every_storage_format_merges_to_float_params(fmt, tile):
   assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(merged))
   for g, w in zip(model.apply(merged, x, img), want, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('fmt, tile', [('int8', None), ('int8', 2),
+                                       ('int4', None), ('int4', 2)])
+def test_stored_values_are_those_of_a_plain_jit(fmt, tile):
+  """The stored codes and scales are bit for bit those of ``jax.jit`` of
+  the SPEC's quantizer, a column's absmax twice and a column of zeros
+  included."""
+  from yax._src.rewrite.quant_formats import quantize_array
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+  img = jax.random.normal(jax.random.key(1), (1, 6, 6, 2))
+  variables = model.init(jax.random.key(3), x, img)
+  # Ties and zeros: a column's absmax twice, a column of zeros.
+  kernel = variables['params']['dense']['kernel']
+  kernel = kernel.at[1, 0].set(-kernel[0, 0]).at[:, 1].set(0.0)
+  variables['params']['dense']['kernel'] = kernel
+  mox = yax.make_mox(model.apply)(variables, x, img)
+  q = yax.quantize(mox, variables, '//module_call[@type="Dense" or '
+                   '@type="Einsum" or @type="Conv"]', weight=fmt, tile=tile)
+  for path, name, contracted in KERNELS:
+    want_q, want_scale = jax.jit(
+        lambda w, c=contracted: quantize_array(w, fmt, c, tile))(
+            variables['params'][path][name])
+    stored = q.params['params'][path]
+    np.testing.assert_array_equal(np.asarray(stored[name], np.int32),
+                                  np.asarray(want_q, np.int32))
+    np.testing.assert_array_equal(stored[f'{name}_scale'], want_scale)
+

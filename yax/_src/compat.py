@@ -186,3 +186,4 @@ def linen_variable_names(scope) -> list[tuple[str, str]]:
     return []
   return [(col, name) for name, cols in reserved.items() for col in cols
           if col is not None]
+

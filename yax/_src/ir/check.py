@@ -298,7 +298,7 @@ def _check_constants(root: Mox) -> None:
     if isinstance(node, Mox):
       if len(node.constvars) != len(node.consts):
         continue  # reported by the scope check
-      for i, (sym, value) in enumerate(zip(node.constvars, node.consts)):
+      for i, (sym, value) in enumerate(zip(node.constvars, node.consts, strict=True)):
         why = _value_mismatch(sym.aval, value)
         if why:
           raise InvariantError(

@@ -21,7 +21,8 @@ type of the level that holds them.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
 
 from yax._src.errors import SubstitutionError
 

@@ -105,14 +105,20 @@ class Expr:
     elements (the same symbols and child nodes), so editing one node's
     lists in place never changes another node.
     """
-    new = object.__new__(type(self))
-    for cls in type(self).__mro__:
-      for name in getattr(cls, '__slots__', ()):
-        if name != '__weakref__' and hasattr(self, name):
-          setattr(new, name, _fresh(getattr(self, name)))
+    cls = type(self)
+    slots = _field_slots(cls)
+    new = object.__new__(cls)
+    for name in slots:
+      if name in changes:
+        continue  # set below, from the value passed
+      try:
+        value = getattr(self, name)
+      except AttributeError:  # a field this node never set
+        continue
+      setattr(new, name, _fresh(value))
     for name, value in changes.items():
-      if not hasattr(type(self), name) and name not in _all_slots(type(self)):
-        raise AttributeError(f'{type(self).__name__} has no field {name!r}')
+      if name not in slots and not hasattr(cls, name):
+        raise AttributeError(f'{cls.__name__} has no field {name!r}')
       setattr(new, name, _fresh(value))
     return new
 
@@ -121,13 +127,28 @@ class Expr:
     return text(self) if text is not None else repr(self)
 
 
-def _all_slots(cls):
-  return {n for c in cls.__mro__ for n in getattr(c, '__slots__', ())}
+_SLOTS: dict = {}
+
+
+def _field_slots(cls) -> tuple:
+  """The data fields of a node class, in ``__mro__`` order (cached: every
+  rewrite copies nodes with :meth:`Expr.replace`)."""
+  slots = _SLOTS.get(cls)
+  if slots is None:
+    slots = _SLOTS[cls] = tuple(dict.fromkeys(
+        n for c in cls.__mro__ for n in getattr(c, '__slots__', ())
+        if n != '__weakref__'))
+  return slots
 
 
 def _fresh(value):
   """A new container for a mutable field value (same type, same elements,
   not copied deeper); any other value as it is."""
+  kind = type(value)
+  if kind is list:
+    return value[:]
+  if kind is dict:
+    return value.copy()
   if isinstance(value, (list, dict, set)):
     return copy.copy(value)
   return value

@@ -23,7 +23,7 @@ from typing import Any
 from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.containers import set_in
+from yax._src.ir.containers import set_many
 from yax._src.ir.nodes import Mox, Symbol
 
 # The variable group of NNX variables: an NNX model keeps all its Variables
@@ -94,7 +94,7 @@ def _vt_flatten(tree: VariableTree):
 
 def _vt_unflatten(aux, children):
   keys, kinds, flags = aux
-  tree = VariableTree(zip(keys, children))
+  tree = VariableTree(zip(keys, children, strict=True))
   tree.kinds = kinds
   tree.flags = flags
   return tree
@@ -180,20 +180,44 @@ def var_entries(node: Mox) -> tuple[VarEntry, ...]:
   if n == 0:
     found = ()
   else:
-    tree = jtu.tree_unflatten(node.var_tree, range(n))
-    paths = [_str_keys(kp) for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
-    symbols = node.var_inputs
-    if isinstance(tree, VariableTree):
-      found = tuple(
-          VarEntry(NNX_GROUP, kind, p, flags[0], flags[1], sym)
-          for p, kind, flags, sym in zip(paths, tree.kinds, tree.flags,
-                                         symbols, strict=True))
-    else:
-      found = tuple(
-          VarEntry(p[0], p[0], p[1:], p[0] == 'params', len(p) == 2, sym)
-          for p, sym in zip(paths, symbols, strict=True))
+    found = tuple(
+        VarEntry(group, kind, rel, is_param, own, sym)
+        for (group, kind, rel, is_param, own), sym in zip(
+            _layout(node.var_tree, n), node.var_inputs, strict=True))
   _cache[node] = found
   return found
+
+
+# Layouts by treedef: a rewrite rebuilds the calls around every replaced
+# node, and calls of one module type share a treedef (BERT-base's 73 Dense
+# layers: one), so each layout is read once rather than per node object.
+_layouts: dict = {}
+
+
+def _layout(var_tree, n: int) -> tuple:
+  """``(group, kind, rel_path, is_param, own)`` of each leaf of a
+  ``var_tree`` of ``n`` leaves, in leaf order."""
+  try:
+    found = _layouts.get(var_tree)
+  except TypeError:  # a treedef whose node data does not hash
+    return _read_layout(var_tree, n)
+  if found is None:
+    found = _read_layout(var_tree, n)
+    if len(_layouts) > 4096:
+      _layouts.clear()
+    _layouts[var_tree] = found
+  return found
+
+
+def _read_layout(var_tree, n: int) -> tuple:
+  tree = jtu.tree_unflatten(var_tree, range(n))
+  paths = [_str_keys(kp) for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
+  if isinstance(tree, VariableTree):
+    return tuple((NNX_GROUP, kind, p, flags[0], flags[1])
+                 for p, kind, flags in zip(paths, tree.kinds, tree.flags,
+                                           strict=True))
+  return tuple((p[0], p[0], p[1:], p[0] == 'params', len(p) == 2)
+               for p in paths)
 
 
 def var_keys(node: Mox) -> list[tuple]:
@@ -243,19 +267,23 @@ def with_variables(node: Mox, symbols=None, added=()) -> tuple[list, Any]:
         jtu.tree_unflatten(treedef, range(len(order))))[0]
     return [leaves[position[_str_keys(kp)]] for kp, _ in flat], treedef
   tree = jtu.tree_unflatten(node.var_tree, symbols) if entries else {}
+  # The first entry at each place that holds no value yet, all inserted
+  # in one copy of the containers on their way (types kept).
+  new = {}
   for e in added:
-    tree = _inserted(tree, e.keys, e.symbol)
+    if e.keys not in new and not _holds(tree, e.keys):
+      new[e.keys] = e.symbol
+  tree = set_many(tree, list(new.items()))
   leaves, treedef = jtu.tree_flatten(
       tree, is_leaf=lambda x: isinstance(x, Symbol))
   return leaves, treedef
 
 
-def _inserted(tree, keys: tuple, value):
-  """``tree`` (nested mappings) with ``value`` at ``keys`` unless a value
-  is there already; containers copied along the way, types kept."""
+def _holds(tree, keys: tuple) -> bool:
+  """Whether ``tree`` (nested mappings) holds a value at ``keys``."""
   node = tree
   for key in keys:
     if not hasattr(node, 'keys') or key not in node:
-      return set_in(tree, keys, value)
+      return False
     node = node[key]
-  return tree
+  return True

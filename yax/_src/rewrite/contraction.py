@@ -199,7 +199,7 @@ class _Flattener:
       self.eqns.append(_Flat(None, {}, [self._input(s) for s in inputs],
                              list(outputs)))
       return
-    for inner, outer in zip(jaxpr.invars, inputs):
+    for inner, outer in zip(jaxpr.invars, inputs, strict=True):
       if not isinstance(outer, Literal):
         self.alias[inner] = self.canon(outer)
     for eqn in jaxpr.eqns:

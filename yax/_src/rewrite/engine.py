@@ -82,7 +82,8 @@ def _same_type(a: Symbol, b: Symbol) -> bool:
 def _same_nodes(new: Sequence, old: Sequence) -> bool:
   """The same nodes, in order: a splice that changes the number of children
   (a replacement with no equations, or with several) is a change."""
-  return len(new) == len(old) and all(a is b for a, b in zip(new, old))
+  return len(new) == len(old) and all(
+      a is b for a, b in zip(new, old, strict=True))
 
 
 def non_literals(symbols) -> list[Symbol]:
@@ -134,6 +135,8 @@ def _locate(root: Mox) -> Located:
   # under a path of its own: it must not decide).
   votes: dict[str, collections.Counter] = {}
   all_locs: set = set()
+  # A key path's steps as the strings a location holds, once per input.
+  str_keypaths = {sym: tuple(map(str, kp)) for sym, kp in keypaths.items()}
   while stack:
     # ``moved``: in this scope, a param transposed before a scan slices
     # it (nn.scan with variable_axes={'params': 1}, MaxText's scanned
@@ -166,16 +169,15 @@ def _locate(root: Mox) -> Located:
       continue
     for loc, sym in _var_locs(node):
       all_locs.add(loc)
-      keypath = keypaths.get(alias.get(sym, sym))
+      source = alias.get(sym, sym)
+      keypath = keypaths.get(source)
       if keypath is None:
         continue  # not read from the arguments (computed inside fn)
       if root_scope and sym in keypaths:  # a root argument itself
         locs.setdefault(loc, sym)
-      tail = tuple(loc[1:])
-      if len(keypath) > len(tail) and tuple(
-          str(k) for k in keypath[len(keypath) - len(tail):]) == tail:
-        votes.setdefault(loc[0], collections.Counter())[
-            tuple(keypath[:len(keypath) - len(tail)])] += 1
+      cut = len(keypath) - len(loc) + 1  # where the location's tail starts
+      if cut > 0 and str_keypaths[source][cut:] == loc[1:]:
+        votes.setdefault(loc[0], collections.Counter())[keypath[:cut]] += 1
   used_paths = {tuple(n.path) for n in iter_nodes(root)
                 if isinstance(n, Mox) and not n.is_ephemeral}
   for loc in all_locs:
@@ -402,7 +404,7 @@ class _Substitution:
       inputs, params = done.inputs, done.params
       bodies = [b if b.inputs == old.inputs else
                 b.replace(in_tree=jax.tree_util.tree_structure(list(b.inputs)))
-                for b, old in zip(done.bodies, bodies)]
+                for b, old in zip(done.bodies, bodies, strict=True)]
       enclosing = next((f for f in reversed(self.stack) if f.is_body),
                        self.stack[0])
       outer_vars = []
@@ -592,7 +594,7 @@ class _Substitution:
           f'cannot substitute {_where(node, self.enclosing_path())}: it has {len(old_outs)} outputs '
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
-    for pos, (old, new) in enumerate(zip(old_outs, new_outs)):
+    for pos, (old, new) in enumerate(zip(old_outs, new_outs, strict=True)):
       if not _same_type(old, new) and not (
           self.retype and not any(f.is_body for f in self.stack)
           and old not in self.read_symbols()):
@@ -600,7 +602,7 @@ class _Substitution:
             f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
     # Only now, when nothing can fail any more, record what the copy needs.
-    for old, new in zip(old_outs, new_outs):
+    for old, new in zip(old_outs, new_outs, strict=True):
       self.ren[old] = new
     for old, new in retyped:
       self.ren[old] = new
@@ -644,9 +646,10 @@ class _Substitution:
     retyped = [] if retyped is None else retyped
     own = {}
     if isinstance(node, Mox) and tuple(new_path) == node.path:
-      for keys, sym in zip(var_keys(node), node.var_inputs):
+      for keys, sym in zip(var_keys(node), node.var_inputs, strict=True):
         own[keys] = self.rename(sym)
-    for keys, sym in zip(var_keys(template), template.var_inputs):
+    for keys, sym in zip(var_keys(template), template.var_inputs,
+                         strict=True):
       loc = (keys[0], *new_path, *keys[1:])
       existing = own.get(keys)
       body = next((f for f in reversed(self.stack) if f.is_body), None)
@@ -734,7 +737,7 @@ class _Substitution:
 
 def _unwrap_traced_module(root: Mox):
   """``make_mox(m.apply)(v, x)`` -> its one module call; else the root."""
-  consts = list(zip(root.constvars, root.consts))
+  consts = list(zip(root.constvars, root.consts, strict=True))
   if len(root.children) == 1 and isinstance(root.children[0], Mox):
     child = root.children[0]
     if (not child.is_ephemeral and

@@ -5,6 +5,8 @@ Used by ``yax.quantize`` and by ``yax.lora``'s merge on a quantized tree."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,26 @@ def _codes(w, fmt: str, contracted: tuple):
   # clipped to 127).
   x = jnp.where(jnp.abs(w) == absmax, jnp.sign(w) * top, w / scale)
   return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5), scale
+
+
+def per_slice(fn, stack: int):
+  """``fn`` applied to each slice of ``stack`` leading axes."""
+  for _ in range(stack):
+    fn = jax.vmap(fn)
+  return fn
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
+                    stack: int = 0):
+  """``quantize_array`` per slice of ``stack`` leading axes, compiled once
+  per kernel shape. Every tool that stores a kernel quantized calls this
+  one function, so they store the same codes and scales: compiled, XLA
+  may divide by the constant as a product with its reciprocal, one ulp
+  away from the eager division (jax 0.8.0 does, on the CPU)."""
+  return per_slice(functools.partial(
+      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                   stack)(kernel)
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,

@@ -36,6 +36,7 @@ writes ``yax/_src/tools/fewbit_tables.py``, which ``yax.fewbit`` reads.
 
 from __future__ import annotations
 
+import itertools
 import math
 import pathlib
 
@@ -139,7 +140,7 @@ def _alternate(sums: _Sums, bounds: list[int]) -> list[int]:
   with re-fitted levels cannot move a run of borders together)."""
   bounds = list(bounds)
   for _ in range(5000):
-    levels = [sums.mean(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    levels = [sums.mean(a, b) for a, b in itertools.pairwise(bounds)]
     old = list(bounds)
     for t in range(1, len(bounds) - 1):
       a, b = bounds[t - 1], bounds[t + 1]
@@ -158,7 +159,7 @@ def _alternate(sums: _Sums, bounds: list[int]) -> list[int]:
 
 
 def _error(sums: _Sums, bounds) -> float:
-  return sum(float(sums.cost(a, b)) for a, b in zip(bounds[:-1], bounds[1:]))
+  return sum(float(sums.cost(a, b)) for a, b in itertools.pairwise(bounds))
 
 
 def _quantile_start(edges, k: int) -> list[int]:
@@ -216,7 +217,7 @@ def solve(fn, bits: int):
     starts.append(_partition(sums, cuts, k))
   bounds = min((_descend(sums, _alternate(sums, b)) for b in starts),
                key=lambda b: _error(sums, b))
-  levels = [sums.mean(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+  levels = [sums.mean(a, b) for a, b in itertools.pairwise(bounds)]
   error = _error(sums, bounds)
   borders = [float(edges[b]) for b in bounds[1:-1]]
   return borders, levels, math.sqrt(max(error, 0.0))

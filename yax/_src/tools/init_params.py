@@ -32,7 +32,7 @@ from yax._src.ir.variables import (NNX_GROUP, key_name, location, unboxed_path,
                                    var_entries, var_keys, var_kind)
 from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import collections_of
-from yax._src.rewrite.quant_formats import FORMATS, quantize_array
+from yax._src.rewrite.quant_formats import FORMATS, quantize_kernel
 from yax._src.trace import nnx as _nnx
 
 
@@ -230,7 +230,7 @@ def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
         f'{kernel.dtype}; a scale comes from the float kernel')
   size = math.prod(plan.kernel_shape[v] for v in plan.contracted)
   tile = None if len(shape) == len(plan.kernel_shape) else size // shape[0]
-  q, scale = quantize_array(kernel, fmt, plan.contracted, tile)
+  q, scale = quantize_kernel(kernel, fmt, plan.contracted, tile)
   old = _get(params, kernel_path)
   return [(tuple(kernel_path), boxed_like(old, q)),
           (_keys(keypath), box(scale.astype(dtype)))]

@@ -34,7 +34,8 @@ from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
 from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
-                                            quantize_array, scale_shape)
+                                            per_slice, quantize_array,
+                                            quantize_kernel, scale_shape)
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 
@@ -89,6 +90,35 @@ def _traced(fn, *specs):
                         for x in specs))
 
 
+# The traced (de)quantization functions are only read (``inline`` copies
+# them with fresh symbols), so one trace serves every kernel of the same
+# shape and format: BERT-base's 73 Dense layers need 3 traces, not 73.
+@functools.lru_cache(maxsize=256)
+def _dequantizer(shape: tuple, dtype, fmt: str, contracted: tuple,
+                 tile) -> Mox:
+  """``(q, scale) -> kernel`` of a kernel of ``shape`` and ``dtype``."""
+  q_dtype = FORMATS[fmt][0]
+  return _traced(lambda q, s: dequantize_array(q, s, fmt, dtype, contracted),
+                 jax.ShapeDtypeStruct(shape, q_dtype),
+                 jax.ShapeDtypeStruct(scale_shape(shape, contracted, tile),
+                                      jnp.float32))
+
+
+@functools.lru_cache(maxsize=256)
+def _fake_quantizer(shape: tuple, dtype, fmt: str, contracted: tuple,
+                    tile) -> Mox:
+  """``kernel -> kernel`` fake-quantized (QAT)."""
+  return _traced(lambda w: _fake_quant(w, fmt, contracted, tile),
+                 jax.ShapeDtypeStruct(shape, dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _act_quantizer(shape: tuple, dtype, fmt: str, axes: tuple) -> Mox:
+  """``x -> x`` quantized per row over ``axes`` (dynamic, straight-through)."""
+  return _traced(lambda v: _act_quant(v, fmt, axes),
+                 jax.ShapeDtypeStruct(shape, dtype))
+
+
 def _act_quant(x, fmt: str, contracted: tuple):
   """Dynamic activation quantization: ``x`` rounded to ``fmt`` with one
   absmax scale per row (over the ``contracted`` axes), straight-through."""
@@ -134,17 +164,14 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   scale_name = f'{plan.kernel_name}_scale'
   if mode == 'qat':
     stored = Var(kernel.aval)
-    root = _traced(lambda w: _fake_quant(w, fmt, contracted, tile),
-                   jax.ShapeDtypeStruct(shape, dtype))
+    root = _fake_quantizer(shape, dtype, fmt, contracted, tile)
     extra = []
   else:
     q_dtype = FORMATS[fmt][0]
     s_shape = scale_shape(shape, contracted, tile)
     stored = Var(jax.core.ShapedArray(shape, jnp.dtype(q_dtype)))
     scale = Var(jax.core.ShapedArray(s_shape, jnp.float32))
-    root = _traced(lambda q, s: dequantize_array(q, s, fmt, dtype, contracted),
-                   jax.ShapeDtypeStruct(shape, q_dtype),
-                   jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    root = _dequantizer(shape, dtype, fmt, contracted, tile)
     extra = [(scale_name, scale)]
   children = inline(root, [stored, *(v for _, v in extra)], [kernel])
   var_inputs = [stored if i == index else s
@@ -158,8 +185,8 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
   if act is not None:  # the input, quantized per row before the body
     x = node.inputs[c.x_index]
     x_in = Var(x.aval)
-    act_root = _traced(lambda v: _act_quant(v, act, _x_axes(c)),
-                       jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype))
+    act_root = _act_quantizer(tuple(x.aval.shape), x.aval.dtype, act,
+                              _x_axes(c))
     act_children = inline(act_root, [x_in], [x])
     children = act_children + children
     constvars += act_root.constvars
@@ -341,7 +368,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     boxed = get_in(params, keys)
     kernel = unboxed(boxed)
     stack = var.aval.ndim - len(plan.kernel_shape)
-    q, scale = _quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack)
     values.append((keys, boxed_like(boxed, q)))
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    else _nnx.variable_holding('Param', scale)))
@@ -365,22 +392,6 @@ class _Stored:
   dtype: Any
 
 
-def _per_slice(fn, stack: int):
-  """``fn`` applied to each slice of ``stack`` leading axes."""
-  for _ in range(stack):
-    fn = jax.vmap(fn)
-  return fn
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_kernel(kernel, fmt: str, contracted: tuple, tile, stack: int):
-  """``quantize_array`` per slice, compiled once per kernel shape: run op
-  by op, each of its operations would compile for every new shape."""
-  return _per_slice(functools.partial(
-      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
-                    stack)(kernel)
-
-
 def dequantize(params, *, stored: dict, weight: str):
   """Float params for the tree ``quantize`` started from: each kernel of
   ``stored`` (key path in ``params`` -> :class:`_Stored`) dequantized and
@@ -391,7 +402,7 @@ def dequantize(params, *, stored: dict, weight: str):
     module = get_in(out, keys[:-1])
     boxed = get_in(out, keys)
     scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
-    value = _per_slice(functools.partial(
+    value = per_slice(functools.partial(
         dequantize_array, fmt=weight, dtype=kernel.dtype,
         contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
     out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),

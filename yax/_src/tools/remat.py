@@ -196,7 +196,7 @@ def remat_template(node: Mox, policy_fn, label: str,
                  children=[body], body_keys=['jaxpr'],
                  body_forms=[_lower.OPEN], effects=sample.effects,
                  source_info=sample.source_info, ctx=sample.ctx)
-  by_old = dict(zip(dynamic_outs, outs))
+  by_old = dict(zip(dynamic_outs, outs, strict=True))
   outputs = [by_old.get(s, s) for s in node.outputs]
   if node.is_ephemeral:  # a module again, so the engine wires its variables
     return node.replace(children=[eqn], outputs=outputs, module_ty=Remat,

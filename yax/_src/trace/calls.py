@@ -182,7 +182,8 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
   if var_leaves and trace.roots and get_opaque_trace_state() == trace.state:
     roots = trace.roots
     var_refs = tuple(roots.get(id(x)) for x in var_leaves)
-    var_leaves = [x for x, r in zip(var_leaves, var_refs) if r is None]
+    var_leaves = [x for x, r in zip(var_leaves, var_refs, strict=True)
+                  if r is None]
   if not kwargs and all(isinstance(x, jax.core.Tracer) for x in args):
     # Most calls: positional arrays only (no tree to walk).
     in_tree, statics = _positional_tree(len(args)), {}

@@ -220,7 +220,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     def flat_fn(*dyn_vals):
       this.enter_root(dyn_vals)
       full = list(leaves)
-      for i, v in zip(dyn, dyn_vals):
+      for i, v in zip(dyn, dyn_vals, strict=True):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
       with nn.intercept_methods(functools.partial(_interceptor, this)), \
@@ -626,7 +626,7 @@ class _Builder:
         # A scanned param moved to stack on axis 0 by a transpose is that
         # param: the call around the scan reads it, as stored.
         sources = [self.transposed.get(s, s) for s in sources]
-      outer = dict(zip(body.inputs, sources))
+      outer = dict(zip(body.inputs, sources, strict=True))
       for key, values in self._reach_children(body.children).items():
         for k, v in values.items():
           syms = _symbols(v)

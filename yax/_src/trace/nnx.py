@@ -706,7 +706,8 @@ def _ga_flatten(g: GraphArgument):
 
 def _ga_unflatten(aux, children):
   graphdef, index, keys = aux
-  return GraphArgument(graphdef, index, nnx.State(dict(zip(keys, children))))
+  return GraphArgument(graphdef, index, nnx.State(dict(zip(keys, children,
+                                                               strict=True))))
 
 
 class NnxResult:
@@ -879,7 +880,7 @@ def _pytree_split(nodes: tuple, hidden: _HiddenCaches | None = None
   state = nnx.State(nested)
   in_order = jtu.tree_leaves(state, is_leaf=_is_variable)
   if len(in_order) != len(flat) or any(
-      a is not b for a, (_, b) in zip(in_order, flat)):
+      a is not b for a, (_, b) in zip(in_order, flat, strict=True)):
     return None
   return PytreeGraph(treedef), state
 
@@ -904,7 +905,8 @@ def apply_updates(result, args, kwargs):
   if any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(
       result.updates)):  # (replayed under a transformation)
     result.updates = tuple(_without_traced_caches(node, u)
-                           for node, u in zip(nodes, result.updates))
+                           for node, u in zip(nodes, result.updates,
+                                                strict=True))
   if len(nodes) > 1:  # apply all at once: shared variables live in one place
     nnx.update(tuple(nodes), nnx.State(
         {k: u for k, u in enumerate(result.updates) if len(u)}))
@@ -1051,7 +1053,8 @@ class TraceScope:
     if given is not None and _same_graph(copies, graphdef, given):
       # Nothing was added, removed or replaced (the pytree structure and
       # the Variables are those given): the updates are the values set.
-      changed = [i for i, (var, old) in enumerate(zip(given, given_values))
+      changed = [i for i, (var, old) in enumerate(
+          zip(given, given_values, strict=True))
                  if not _same_leaves(old, _value_leaves(var))]
       if changed:
         flat = jtu.tree_flatten_with_path(copies, is_leaf=_is_variable)[0]
@@ -1077,11 +1080,12 @@ def _same_graph(copies, graphdef: PytreeGraph, given: list) -> bool:
   Variable a walk would)."""
   now, treedef = jtu.tree_flatten(copies, is_leaf=_is_variable)
   return (treedef == graphdef.treedef and len(now) == len(given)
-          and all(a is b for a, b in zip(now, given)))
+          and all(a is b for a, b in zip(now, given, strict=True)))
 
 
 def _same_leaves(old: tuple, new: tuple) -> bool:
-  return len(old) == len(new) and all(x is y for x, y in zip(old, new))
+  return len(old) == len(new) and all(
+      x is y for x, y in zip(old, new, strict=True))
 
 
 @functools.lru_cache(maxsize=256)

@@ -100,8 +100,43 @@ def _unique(key: str, used) -> str:
 
 
 def _format(value) -> str | None:
+  key = _plain_key(value)
+  if key is None:
+    return _format_uncached(value)
+  try:
+    return _FORMATTED[key]
+  except KeyError:
+    text = _FORMATTED[key] = _format_uncached(value)
+    if len(_FORMATTED) > 4096:
+      _FORMATTED.clear()
+    return text
+
+
+def _format_uncached(value) -> str | None:
   text = format_value(value, bools='xml')
   return None if text is None else escape_text(text)
+
+
+# Texts of plain param values (ints, strings, tuples of them: axes, shapes,
+# dimension numbers), which most equations repeat: formatting them was a
+# third of building BERT-base's view.
+_FORMATTED: dict = {}
+_PLAIN = (type(None), bool, int, str)
+
+
+def _plain_key(value):
+  """A key that tells apart every plain value with another text (``1``,
+  ``True`` and ``1.0`` are equal but print differently, so the type is part
+  of it), or None for any other value."""
+  if type(value) in _PLAIN:
+    if type(value) is str and len(value) > 200:
+      return None  # kept out: the cache would hold every long string
+    return (type(value), value)
+  if type(value) is tuple:
+    keys = tuple(map(_plain_key, value))
+    if None not in keys:
+      return (tuple, keys)
+  return None
 
 
 # ------------------------------------------------------------ attributes
