@@ -28,8 +28,12 @@ import math
 import os
 import time
 
-# 8 host CPU devices; set before JAX starts.
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# 8 host CPU devices; set before JAX starts, beside any other XLA flags (an
+# XLA_FLAGS that is set but empty, as MaxText's config leaves it, included).
+if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS',
+                                                               ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_force_host_platform_device_count=8').strip()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
