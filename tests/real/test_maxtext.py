@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import yax
+from yax._src.rewrite import quant_formats
 from helpers import (assert_trees_close, import_required, jit_call,
                      trained_adapters)
 
@@ -385,6 +386,49 @@ def test_quantize_int8():
   # The state holds RNG streams (key<fry> leaves): counted, not a TypeError.
   assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
              for x in jax.tree.leaves(m.params))
+  before, after = q.nbytes
+  assert after < before
+
+
+def _leaf(params, path):
+  node = params['params'] if 'params' in params else params
+  for k in path:
+    node = node[k]
+  return nn.meta.unbox(node[...] if isinstance(node, nnx.Variable) else node)
+
+
+@pytest.mark.parametrize('family,linen,weight', [
+    pytest.param('llama2', False, 'int8', id='llama2-scanned-int8'),
+    pytest.param('llama2', False, 'nf4', id='llama2-scanned-nf4'),
+    pytest.param('deepseek3', False, 'int8', id='deepseek3-scanned-int8'),
+    pytest.param('llama2', True, 'int4', id='linen-llama2-scanned-int4')])
+def test_quantize_scanned_stacks(family, linen, weight):
+  # Scanned layers keep their kernels stacked on axis 1 ([embed, layers,
+  # mlp]); a transpose moves the stack to the front before the scan slices
+  # it. The stored kernel keeps its layout and its dtype becomes the
+  # format's; its scales are stacked per layer on axis 0.
+  m = build(family, True, linen)
+  with m.context():
+    q = yax.quantize(m.mox, m.params, DENSE, weight=weight)
+    back = q.dequantize(q.params)
+    yax.check_mox(q.mox)
+    assert_trees_close(jit_eval(q.mox, q.params, *m.args),
+                       jax.jit(m.run)(back, *m.args), rtol=1e-4, atol=1e-4)
+  kernel = (*next(p for p in q.paths if p[-1] == 'wi_0'), 'kernel')
+  stored, scale = _leaf(q.params, kernel), _leaf(
+      q.params, (*kernel[:-1], 'kernel_scale'))
+  original = np.asarray(_leaf(m.params, kernel))
+  assert stored.shape == original.shape and stored.dtype != original.dtype
+  layers = original.shape[1]
+  assert scale.shape == (layers, 1, original.shape[2])
+  # Layer i's slice quantized on its own, as an unscanned layer is.
+  last = layers - 1
+  _, ref_scale = quant_formats.quantize_kernel(original[:, last, :], weight,
+                                               (0,))
+  np.testing.assert_array_equal(scale[last], ref_scale)
+  step = float(np.abs(original).max()) / {'int8': 127, 'int4': 7}.get(
+      weight, 1)
+  np.testing.assert_allclose(_leaf(back, kernel), original, atol=step)
   before, after = q.nbytes
   assert after < before
 

@@ -471,3 +471,55 @@ def test_stored_values_are_those_of_a_plain_jit(fmt, tile):
                                   np.asarray(want_q, np.int32))
     np.testing.assert_array_equal(stored[f'{name}_scale'], want_scale)
 
+
+
+class _Layer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.gelu(nn.Dense(6, name='dense')(x)), None
+
+
+class _StackedOnAxis1(nn.Module):
+  """Layers scanned with their params stacked on axis 1 (MaxText's
+  ``param_scan_axis=1``): a transpose moves the stack to the front before
+  the scan slices it."""
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_Layer, variable_axes={'params': 1},
+                   split_rngs={'params': True}, length=3)
+    return scan(name='layers')(x, None)[0]
+
+
+@pytest.mark.parametrize('fmt', ['int8', 'int4', 'nf4'])
+def test_stack_moved_before_the_scan_is_stored_quantized_in_its_layout(fmt):
+  model = _StackedOnAxis1()
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  variables = model.init(jax.random.key(1), x)
+  kernel = variables['params']['layers']['dense']['kernel']
+  assert kernel.shape == (6, 3, 6)  # [in, layers, out]
+  mox = yax.make_mox(model.apply)(variables, x)
+  q = yax.quantize(mox, variables, '//module_call[@type="Dense"]',
+                   weight=fmt)
+  yax.check_mox(q.mox)
+  stored = q.params['params']['layers']['dense']
+  assert stored['kernel'].shape == (6, 3, 6)
+  assert stored['kernel'].dtype == {'int8': jnp.int8, 'int4': jnp.int4,
+                                    'nf4': jnp.uint4}.get(fmt)
+  assert stored['kernel_scale'].shape == (3, 1, 6)  # per layer, stacked first
+  # Each layer's slice as the reference quantizer stores an unscanned one.
+  want = np.stack([reference(kernel[:, i, :], fmt, (0,)) for i in range(3)],
+                  axis=1)
+  back = q.dequantize(q.params)
+  np.testing.assert_allclose(back['params']['layers']['dense']['kernel'],
+                             want, rtol=1e-6, atol=1e-6)
+  # The quantized tree computes the model on those kernels.
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x),
+                             model.apply(back, x), **TOL)
+  np.testing.assert_allclose(
+      jax.jit(lambda p, x: yax.eval_mox(q.mox, p, x))(q.params, x),
+      model.apply(back, x), **TOL)
+  # The traced tree is left as it was.
+  assert yax.eval_mox(mox, variables, x).shape == (2, 6)
+  assert yax.query('//module_call[@type="Dense"]', mox)[0].params.get(
+      'quant') is None

@@ -191,6 +191,11 @@ def _locate(root: Mox) -> Located:
 # (True) sits at the path of the module call around the equation, and its
 # variables are that module's own; without it, it is a new child module.
 IN_PLACE = 'in_place'
+# Primitives that only move (or constrain the placement of) elements: a
+# value they compute can be stored in another dtype with their input.
+_RETYPABLE = frozenset({'transpose', 'reshape', 'squeeze', 'expand_dims',
+                        'broadcast_in_dim', 'copy', 'copy_p', 'rev',
+                        'sharding_constraint'})
 
 
 @dataclasses.dataclass
@@ -309,7 +314,51 @@ class _Substitution:
         out.append(self.rebuild_module(child))
       else:
         out.append(self.rebuild_equation(child))
+    if self.retype:
+      self._retype_producers(out)
     return out
+
+  def _retype_producers(self, out: list) -> None:
+    """An equation of this scope that defines a value a body now reads
+    retyped (a stacked kernel that a transpose moved before the ``scan``
+    slicing it, stored quantized) is retyped with it, when it only moves
+    elements (``_RETYPABLE``), and so is its input, back to the variable.
+    ``out`` (the scope's rebuilt children) is updated in place."""
+    for i in range(len(out) - 1, -1, -1):
+      eqn = out[i]
+      if not isinstance(eqn, Equation) or eqn.children or \
+          len(eqn.outputs) != 1:
+        continue
+      old = eqn.outputs[0]
+      new = self.ren.get(old)
+      if new is None or new is old or new.aval.dtype == old.aval.dtype:
+        continue
+      where = _where(eqn, self.enclosing_path())
+      src = eqn.inputs[0]
+      if eqn.prim.name not in _RETYPABLE or isinstance(src, Literal):
+        raise SubstitutionError(
+            f'cannot store the input of a body as {new.type_str}: it is '
+            f'computed by {where}, which is not a layout change '
+            f'({", ".join(sorted(_RETYPABLE))}) of a variable')
+      # Other readers: module calls with no body may only list it (Flax's
+      # ToLinen records its variables in a call '_update_variables').
+      others = [j for j, c in enumerate(out) if c is not eqn and
+                src in c.inputs]
+      bad = [out[j] for j in others
+             if not isinstance(out[j], Mox) or out[j].children]
+      if bad:
+        raise SubstitutionError(
+            f'cannot store {src.type_str} as {new.aval.dtype}: {where} '
+            f'moves it into a body that reads it retyped, and '
+            f'{describe(bad[0])} reads it too')
+      retyped = self.ren.get(src)
+      if retyped is None or retyped is src:
+        retyped = Var(src.aval.update(dtype=new.aval.dtype))
+        self.ren[src] = retyped
+      out[i] = eqn.replace(inputs=[retyped, *eqn.inputs[1:]], outputs=[new])
+      for j in others:
+        out[j] = out[j].replace(inputs=[retyped if s is src else s
+                                        for s in out[j].inputs])
 
   def rebuild_module(self, node: Mox) -> Mox:
     frame = _Frame(node, [], [])

@@ -66,17 +66,29 @@ def quantize_array(w, fmt: str, contracted: tuple, tile: int | None = None):
   """``(q, scale)``: ``w`` stored in ``fmt`` with absmax scales over the
   ``contracted`` axes (kept as size-1 axes in ``scale``), or over each
   ``tile`` elements of them (flattened in kernel order)."""
-  dtype = FORMATS[fmt][0]
+  codes, scale = _array_codes(w, fmt, contracted, tile)
   if tile is None:
-    codes, scale = _codes(jnp.asarray(w, jnp.float32), fmt, contracted)
-    return codes.astype(dtype), scale
+    return codes.astype(FORMATS[fmt][0]), scale
+  return _stored(codes, fmt), scale
+
+
+def _array_codes(w, fmt: str, contracted: tuple, tile: int | None):
+  """The codes of ``quantize_array`` before their cast, in ``w``'s
+  layout, and the scales."""
+  if tile is None:
+    return _codes(jnp.asarray(w, jnp.float32), fmt, contracted)
   tiles, back = _tiled(jnp.asarray(w, jnp.float32), contracted, tile)
   codes, scale = _codes(tiles, fmt, (1,))
-  # The barrier keeps XLA from fusing the transpose back to kernel order
-  # with the cast: jaxlib 0.8.0's CPU backend compiles that fusion, for a
-  # 4-bit type, into code that corrupts the heap ("malloc_consolidate():
-  # invalid chunk size"; tests/tools/test_quantize.py, int4 tiles).
-  return jax.lax.optimization_barrier(back(codes)).astype(dtype), scale
+  return back(codes), scale
+
+
+def _stored(codes, fmt: str):
+  """Codes moved back to the kernel's layout, cast to ``fmt``'s type.
+  The barrier keeps XLA from fusing the move (a transpose) with the cast:
+  jaxlib 0.8.0's CPU backend compiles that fusion, for a 4-bit type, into
+  code that corrupts the heap ("malloc_consolidate(): invalid chunk
+  size"; tests/tools/test_quantize.py, int4 tiles)."""
+  return jax.lax.optimization_barrier(codes).astype(FORMATS[fmt][0])
 
 
 def _codes(w, fmt: str, contracted: tuple):
@@ -106,17 +118,27 @@ def per_slice(fn, stack: int):
   return fn
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
 def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
-                    stack: int = 0):
+                    stack: int = 0, perm: tuple | None = None):
   """``quantize_array`` per slice of ``stack`` leading axes, compiled once
   per kernel shape. Every tool that stores a kernel quantized calls this
   one function, so they store the same codes and scales: compiled, XLA
   may divide by the constant as a product with its reciprocal, one ulp
-  away from the eager division (jax 0.8.0 does, on the CPU)."""
-  return per_slice(functools.partial(
-      quantize_array, fmt=fmt, contracted=contracted, tile=tile),
-                   stack)(kernel)
+  away from the eager division (jax 0.8.0 does, on the CPU).
+
+  ``perm``: the stacked kernel as stored is ``kernel`` with its axes in
+  another order, ``jnp.transpose(kernel, perm)`` the one sliced (a stack
+  moved to the front for ``jax.lax.scan``). The codes keep the stored
+  order; the scales are in the sliced one (stacked on the leading axes)."""
+  if perm is None:
+    return per_slice(functools.partial(
+        quantize_array, fmt=fmt, contracted=contracted, tile=tile),
+                     stack)(kernel)
+  codes, scale = per_slice(functools.partial(
+      _array_codes, fmt=fmt, contracted=contracted, tile=tile),
+                           stack)(jnp.transpose(kernel, perm))
+  return _stored(jnp.transpose(codes, np.argsort(perm)), fmt), scale
 
 
 def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
@@ -133,3 +155,16 @@ def dequantize_array(q, scale, fmt: str, dtype=jnp.float32,
         scale.shape[0] * int(np.prod(scale.shape[2:]))))
     return back(tiles * scale).astype(dtype)
   return (values * scale).astype(dtype)
+
+
+def dequantize_kernel(q, scale, fmt: str, dtype, contracted: tuple,
+                      stack: int = 0, perm: tuple | None = None):
+  """The float kernel ``quantize_kernel`` stored as ``(q, scale)``, in the
+  stored layout."""
+  fn = per_slice(functools.partial(dequantize_array, fmt=fmt, dtype=dtype,
+                                   contracted=contracted), stack)
+  if perm is None:
+    return fn(q, scale)
+  # As float codes (exact for every format) the moves stay off 4-bit types.
+  codes = jnp.transpose(q.astype(jnp.float32), perm)
+  return jnp.transpose(fn(codes, scale), np.argsort(perm))

@@ -34,7 +34,8 @@ from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
 from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
-                                            per_slice, quantize_array,
+                                            dequantize_kernel,
+                                            quantize_array,
                                             quantize_kernel, scale_shape)
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
@@ -286,11 +287,6 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                        'parameter at its own path (a tied or computed '
                        'kernel)'))
       continue
-    if plan.source_perm is not None:
-      problems.append((node, f'its kernel {kernel.type_str} is a slice of a '
-                       'stacked param whose axes a transpose moved before '
-                       'the scan, which quantize does not follow yet'))
-      continue
     size = math.prod(plan.kernel_shape[i] for i in plan.contracted)
     if tile is not None and size % tile:
       problems.append((node, f'tile={tile} does not divide the {size} '
@@ -368,12 +364,13 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     boxed = get_in(params, keys)
     kernel = unboxed(boxed)
     stack = var.aval.ndim - len(plan.kernel_shape)
-    q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack)
+    q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack,
+                               plan.source_perm)
     values.append((keys, boxed_like(boxed, q)))
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    else _nnx.variable_holding('Param', scale)))
     stored[keys] = _Stored(plan.kernel_name, plan.contracted, stack,
-                           jnp.dtype(kernel.dtype))
+                           jnp.dtype(kernel.dtype), plan.source_perm)
   new_params = set_many(params, values)
   new_mox = with_argument_structure(done.mox, where, new_params)
   return QuantizeResult(
@@ -384,12 +381,14 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
 @dataclasses.dataclass(frozen=True)
 class _Stored:
   """How one kernel is stored quantized: its name, the axes its scales
-  reduce, how many leading axes stack it (``nn.scan``) and its float
-  dtype."""
+  reduce, how many leading axes stack it (``nn.scan``), its float dtype
+  and the transpose that puts the stack first (``KernelPlan.source_perm``;
+  None where it is first already)."""
   name: str
   contracted: tuple
   stack: int
   dtype: Any
+  perm: tuple | None = None
 
 
 def dequantize(params, *, stored: dict, weight: str):
@@ -402,9 +401,8 @@ def dequantize(params, *, stored: dict, weight: str):
     module = get_in(out, keys[:-1])
     boxed = get_in(out, keys)
     scale = unboxed(get_in(out, (*keys[:-1], scale_name)))
-    value = per_slice(functools.partial(
-        dequantize_array, fmt=weight, dtype=kernel.dtype,
-        contracted=kernel.contracted), kernel.stack)(unboxed(boxed), scale)
+    value = dequantize_kernel(unboxed(boxed), scale, weight, kernel.dtype,
+                              kernel.contracted, kernel.stack, kernel.perm)
     out = set_in(out, keys[:-1], set_in(without(module, (scale_name,)),
                                         (kernel.name,),
                                         boxed_like(boxed, value)))
