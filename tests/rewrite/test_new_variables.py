@@ -212,6 +212,47 @@ def test_init_params_fills_lora_adapters_and_quantization_scales():
                              model.apply(ref, X), **TOL)
 
 
+class _ScanLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.tanh(nn.Dense(4, name='dense')(x)), None
+
+
+class _Scanned(nn.Module):
+  """Three layers under nn.scan, params stacked on ``axis``."""
+  axis: int = 0
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_ScanLayer, variable_axes={'params': self.axis},
+                   split_rngs={'params': True}, length=3)
+    return scan(name='layers')(x, None)[0]
+
+
+@pytest.mark.parametrize('axis', [0, 1])
+def test_init_params_fills_stacked_adapters_and_scales_from_the_records(axis):
+  # Inside a scan body the adapters and scales are stacked: the records
+  # the rewrites left on their calls make them at the stacked shapes, the
+  # scales per layer (axis 1: the stack a transpose moves to the front).
+  model = _Scanned(axis)
+  variables = model.init(jax.random.key(0), X)
+  mox = yax.make_mox(model.apply)(variables, X)
+  dense = '//module_call[@type="Dense"]'
+  q = yax.quantize(mox, variables, dense, weight='int8')
+  qres = yax.lora(q.mox, q.params, dense, rank=2)
+  full = yax.init_params(qres.mox, variables, key=jax.random.key(1))
+  got, want = (t['params']['layers']['dense'] for t in (full, qres.params))
+  assert sorted(got) == sorted(want)
+  for name in ('kernel', 'kernel_scale', 'bias'):
+    np.testing.assert_array_equal(got[name], want[name])
+  assert got['lora_a'].shape == want['lora_a'].shape == (3, 4, 2)
+  assert got['lora_b'].shape == (3, 2, 4)
+  np.testing.assert_array_equal(got['lora_b'], 0)
+  assert np.all(got['lora_a'] != 0)
+  np.testing.assert_allclose(yax.eval_mox(qres.mox, full, X),
+                             model.apply(q.dequantize(q.params), X), **TOL)
+
+
 # ----------------------------------------------------------------- NNX
 
 class NNXPReLU(nnx.Module):

@@ -247,15 +247,24 @@ class Mox(Expr):
       bodies of equations only).
     debug_info: JAX's ``DebugInfo`` of the traced function or body (function
       and argument names), kept for lowering; ``None`` for a module call.
+    inits: how the variables a rewrite added to this call get their first
+      values (``yax.init_params``), or None: ``(group, *rel_path)`` (a
+      variable's place relative to the call, as ``VarEntry.keys``) ->
+      ``init(key, aval, read)``, which returns ``{keys: array}`` for that
+      variable and any other of the call it stores anew (a kernel stored
+      quantized with its new scale); ``aval`` is the variable's type as the
+      traced arguments hold it (stacked, in a scan body), ``read(keys)``
+      the array they hold at another place of the call.
   """
 
   __slots__ = ('children', 'module_ty', 'entrypoint', 'path', 'in_tree',
-               'out_tree', 'var_tree', 'constvars', 'consts', 'debug_info')
+               'out_tree', 'var_tree', 'constvars', 'consts', 'debug_info',
+               'inits')
 
   def __init__(self, inputs, outputs, params=None, *, children=(),
                module_ty=None, entrypoint=None, path=(), in_tree=None,
                out_tree=None, var_tree=None, constvars=(), consts=(),
-               debug_info=None):
+               debug_info=None, inits=None):
     super().__init__(inputs, outputs, params)
     self.children = list(children)
     self.module_ty = module_ty
@@ -267,6 +276,7 @@ class Mox(Expr):
     self.constvars = list(constvars)
     self.consts = list(consts)
     self.debug_info = debug_info
+    self.inits = inits
 
   @property
   def is_ephemeral(self) -> bool:

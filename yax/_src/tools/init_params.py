@@ -7,15 +7,17 @@ read ``params['PReLU_0']['alpha']`` and ``params['PReLU_1']['alpha']``.
 declares it, builds that module again from the fields the trace recorded
 (a Linen dataclass; an NNX module whose ``__init__`` arguments are among
 its recorded attributes, with ``rngs``) and runs its initialiser at that
-site's shapes, with ``key`` folded by the variable's path. Variables
-already in ``params`` are returned unchanged, in the same containers.
+site's shapes, with ``key`` folded by the variable's path. A variable a
+tool added (a LoRA adapter, a quantization scale) is made by the record
+that tool left on the call (``Mox.inits``); this module knows no tool.
+Variables already in ``params`` are returned unchanged, in the same
+containers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import zlib
 
 import flax.linen as nn
@@ -29,22 +31,26 @@ from yax._src.ir.arguments import boxed_like
 from yax._src.ir.containers import set_many
 from yax._src.ir.nodes import Mox, Symbol, iter_nodes
 from yax._src.ir.variables import (NNX_GROUP, key_name, location, unboxed_path,
-                                   var_entries, var_keys, var_kind)
-from yax._src.rewrite import contraction as _contraction
+                                   var_entries)
 from yax._src.rewrite.engine import collections_of
-from yax._src.rewrite.quant_formats import FORMATS, quantize_kernel
 from yax._src.trace import nnx as _nnx
 
 
 def _declared(mox: Mox) -> dict:
-  """``(collection, *module path, name)`` -> the module call that holds the
-  variable as its own (the first one in evaluation order)."""
+  """``(collection, *module path, name)`` -> the module call that declares
+  the variable: the call that recorded how to make it (``Mox.inits``: a
+  rewrite added it), else the first call in evaluation order that holds
+  it as its own."""
   out = {}
-  for node in iter_nodes(mox):
-    if isinstance(node, Mox) and not node.is_ephemeral:
-      for entry in var_entries(node):
-        if len(entry.rel_path) == 1:
-          out.setdefault(location(node, entry), node)
+  nodes = [n for n in iter_nodes(mox)
+           if isinstance(n, Mox) and not n.is_ephemeral]
+  for node in nodes:
+    for keys in node.inits or ():
+      out.setdefault((keys[0], *node.path, *keys[1:]), node)
+  for node in nodes:
+    for entry in var_entries(node):
+      if len(entry.rel_path) == 1:
+        out.setdefault(location(node, entry), node)
   return out
 
 
@@ -151,10 +157,11 @@ def init_params(mox: Mox, params, *, key):
           f'init_params: the tree reads {where} ({sym.type_str}), which '
           'params lacks, and no module call of the tree declares it')
     folded = jax.random.fold_in(key, zlib.crc32('/'.join(loc).encode()))
-    made = _rewrite_variable(node, loc[-1], sym, folded, params, keypath,
-                             where)
-    if made is not None:  # a LoRA adapter, a quantization scale
-      values.extend(made)
+    keys = (loc[0], *loc[1 + len(node.path):])  # relative to the call
+    init = (node.inits or {}).get(keys)
+    if init is not None:  # a rewrite's variable: a LoRA adapter, a scale
+      values.extend(_recorded(node, init, keys, path, sym, folded, params,
+                              where))
       continue
     if id(node) not in cache:
       cls = node.module_ty
@@ -182,65 +189,43 @@ def init_params(mox: Mox, params, *, key):
   return set_many(params, values)
 
 
-def _rewrite_variable(node: Mox, name: str, sym, key, params, keypath,
-                      where: str):
-  """``[(native key path, value), ...]`` for a variable that a rewrite
-  added (no Flax module declares it): a LoRA adapter (``A`` random as
-  ``lora`` draws it, ``B`` zero) or a quantization scale (from the float
-  kernel in ``params``, which is stored quantized with it); None for any
-  other variable."""
-  adapter = name.endswith(('lora_a', 'lora_b'))
-  is_lora = _is_lora_call(node)
-  if is_lora and not adapter:  # a variable of the call it wraps
-    node = node.children[0]
-  keys = var_keys(node)
-  index = [k[-1] for k in keys].index(name)
-  is_nnx = keys[index][0] == NNX_GROUP
-  box = (lambda v: _nnx.variable_holding(var_kind(node, index)[0], v)) \
-      if is_nnx else (lambda v: v)
-  shape, dtype = tuple(sym.aval.shape), sym.aval.dtype
-  if is_lora and adapter:
-    if name.endswith('lora_b'):
-      return [(_keys(keypath), box(jnp.zeros(shape, dtype)))]
-    plan = _contraction.kernel_plan(node.children[0], shape[-1])
-    if isinstance(plan, str):
-      raise SubstitutionError(f'init_params: {where} is a LoRA adapter, but '
-                              f'its module no longer fits one: {plan}')
-    value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(
-        plan.fan_in)
-    return [(_keys(keypath), box(value.astype(dtype)))]
-  fmt = node.params.get('quant')
-  if fmt not in FORMATS or not name.endswith('_scale'):
-    return None
-  kernel_name = name[:-len('_scale')]
-  plan = _contraction.kernel_plan(node, 1)
-  if isinstance(plan, str) or plan.kernel_name != kernel_name:
-    raise SubstitutionError(
-        f'init_params: {where} is the scale of a quantized kernel, but its '
-        f'module reads no kernel {kernel_name!r} quantize could scale')
-  kernel_path = (*_keys(keypath)[:-1], kernel_name)
-  kernel = nn.meta.unbox(_get(params, kernel_path))
-  if isinstance(kernel, nnx.Variable):
-    kernel = kernel[...]
-  if not jnp.issubdtype(kernel.dtype, jnp.floating) or \
-      jnp.dtype(kernel.dtype).itemsize < 2:
-    raise SubstitutionError(
-        f'init_params: {where} is the scale of the quantized kernel '
-        f'{kernel_name!r}, which params holds already stored as '
-        f'{kernel.dtype}; a scale comes from the float kernel')
-  size = math.prod(plan.kernel_shape[v] for v in plan.contracted)
-  tile = None if len(shape) == len(plan.kernel_shape) else size // shape[0]
-  q, scale = quantize_kernel(kernel, fmt, plan.contracted, tile)
-  old = _get(params, kernel_path)
-  return [(tuple(kernel_path), boxed_like(old, q)),
-          (_keys(keypath), box(scale.astype(dtype)))]
+def _recorded(node: Mox, init, keys, path, sym, key, params, where: str):
+  """``[(native key path, value), ...]`` that the record ``init`` of
+  ``node`` (``Mox.inits``) makes for the variable at ``keys`` (relative to
+  the call) whose native key path is ``path``: the other variables it
+  reads and writes are at the same native prefix."""
+  base = path[:len(path) - (len(keys) - 1)]
+  native = lambda k: (*base, *k[1:])
 
+  def read(k):
+    try:
+      value = _get(params, native(k))
+    except (KeyError, IndexError, TypeError):
+      raise SubstitutionError(
+          f'init_params: {where} is made from '
+          f"params{''.join(f'[{p!r}]' for p in native(k))}, which params "
+          'lacks') from None
+    value = nn.meta.unbox(value)
+    return value[...] if isinstance(value, nnx.Variable) else value
 
-def _is_lora_call(node: Mox) -> bool:
-  """Whether ``node`` is a call ``yax.lora`` made (its marker class
-  ``LoRA``, wrapping the adapted call as its first child)."""
-  return getattr(node.module_ty, '__name__', None) == 'LoRA' and bool(
-      node.children) and isinstance(node.children[0], Mox)
+  try:
+    made = init(key, sym.aval, read)
+  except SubstitutionError as e:
+    raise SubstitutionError(f'init_params: {where}: {e}') from None
+  kinds = {e.keys: e.kind for e in var_entries(node)}
+  out = []
+  for k, value in made.items():
+    try:
+      old = _get(params, native(k))
+    except (KeyError, IndexError, TypeError):
+      old = None
+    if old is not None:  # stored anew (a kernel quantized with its scale)
+      out.append((native(k), boxed_like(old, value)))
+    elif k[0] == NNX_GROUP:
+      out.append((native(k), _nnx.variable_holding(kinds[k], value)))
+    else:
+      out.append((native(k), value))
+  return out
 
 
 def _get(tree, keys):

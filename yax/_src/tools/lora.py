@@ -273,7 +273,26 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: f
               'base': node.type_name, 'kernel': plan.kernel_name},
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
-             var_tree=var_tree)
+             var_tree=var_tree, inits=_inits(group, rel, plan))
+
+
+def _inits(group: str, rel: tuple, plan: _contraction.KernelPlan) -> dict:
+  """The record of the adapters for ``yax.init_params``: ``A`` normal with
+  variance 1 / fan_in, ``B`` zero, as ``lora`` draws them."""
+  a, b = ((group, *rel, name) for name in plan.names)
+  return {a: functools.partial(_init_a, a, plan.fan_in),
+          b: functools.partial(_init_b, b)}
+
+
+def _init_a(keys, fan_in, key, aval, read):
+  del read
+  value = jax.random.normal(key, aval.shape, jnp.float32) / math.sqrt(fan_in)
+  return {keys: value.astype(aval.dtype)}
+
+
+def _init_b(keys, key, aval, read):
+  del key, read
+  return {keys: jnp.zeros(aval.shape, aval.dtype)}
 
 
 def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
@@ -313,7 +332,8 @@ def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=jtu.tree_structure((tuple(arg_inputs),
                                                          {})),
-             out_tree=jtu.tree_structure(out), var_tree=var_tree)
+             out_tree=jtu.tree_structure(out), var_tree=var_tree,
+             inits=_inits(group, (), plan))
 
 
 def _refuse(problems, chosen: Selection, selection):

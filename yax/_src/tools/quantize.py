@@ -29,7 +29,8 @@ from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
 from yax._src.ir.containers import get_in, set_in, set_many, without
 from yax._src.ir.nodes import Equation, Mox, Var
-from yax._src.ir.variables import NNX_GROUP, VarEntry, is_nnx, with_variables
+from yax._src.ir.variables import (NNX_GROUP, VarEntry, is_nnx, var_entries,
+                                   with_variables)
 from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
@@ -193,14 +194,38 @@ def _template(node: Mox, plan, fmt: str, mode: str, act=None,
     constvars += act_root.constvars
     consts += act_root.consts
     arg_inputs = [x_in if s is x else s for s in arg_inputs]
+  inits = dict(node.inits or {})
+  if extra:  # how init_params stores a float kernel quantized
+    kernel_keys = var_entries(node)[index].keys
+    inits[(group, scale_name)] = functools.partial(
+        _init_scale, kernel_keys, (group, scale_name), fmt, contracted, tile,
+        len(shape), plan.source_perm)
   call = Mox(var_inputs + arg_inputs, list(node.outputs),
              {**node.params, 'quant': fmt if mode == 'ptq' else f'{fmt}-qat'},
              children=children + list(node.children),
              module_ty=node.module_ty, entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
-             var_tree=var_tree)
+             var_tree=var_tree, inits=inits or None)
   return Mox(call.inputs, call.outputs, {}, children=[call],
              constvars=constvars, consts=consts)
+
+
+def _init_scale(kernel_keys, scale_keys, fmt, contracted, tile, ndim, perm,
+                key, aval, read):
+  """The record of a scale for ``yax.init_params``: the kernel the params
+  hold (float, stacked or not) stored quantized, and its scales, as
+  ``quantize`` stores them."""
+  del key, aval
+  kernel = read(kernel_keys)
+  if not jnp.issubdtype(kernel.dtype, jnp.floating) or \
+      jnp.dtype(kernel.dtype).itemsize < 2:
+    raise SubstitutionError(
+        f'the kernel {kernel_keys[-1]!r} is held already stored as '
+        f'{kernel.dtype}; its scale {scale_keys[-1]!r} comes from the float '
+        'kernel')
+  q, scale = quantize_kernel(kernel, fmt, contracted, tile,
+                             kernel.ndim - ndim, perm)
+  return {kernel_keys: q, scale_keys: scale}
 
 
 def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
