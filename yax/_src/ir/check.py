@@ -37,6 +37,7 @@ from jax.extend import core as jex
 from yax._src.errors import YaxError
 from yax._src.ir import lower as _lower
 from yax._src.ir.nodes import Equation, Expr, Literal, Mox, Symbol, Var
+from yax._src.ir.variables import var_entries
 
 
 class InvariantError(YaxError):
@@ -224,6 +225,15 @@ def _check_node_fields(node, where: str):
       if not isinstance(child, Expr) or not isinstance(child, (Mox, Equation)):
         raise InvariantError(f'{where} has a child {_short(child)} that is '
                              'not a Mox or an Equation')
+    inits = getattr(node, 'inits', None)
+    if inits:  # records of new variables: each of a variable of the call
+      have = {e.keys for e in var_entries(node)}
+      for keys, init in inits.items():
+        if keys not in have or not callable(init):
+          raise InvariantError(
+              f'{where} records how to make the variable {_short(keys)}, '
+              + ('which it does not read' if keys not in have else
+                 f'with {_short(init)}, which is not callable'))
     return
   for i, sym in enumerate(node.inputs):
     if isinstance(sym, Literal) and sym.aval is None:
