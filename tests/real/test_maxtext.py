@@ -433,6 +433,30 @@ def test_quantize_scanned_stacks(family, linen, weight):
   assert after < before
 
 
+@pytest.mark.parametrize('family,scan', [
+    pytest.param('llama2', True, id='llama2-scanned'),
+    pytest.param('mixtral', False, id='mixtral'),
+    pytest.param('mixtral', True, id='mixtral-scanned')])
+def test_cast_scanned_layers_and_moe_blocks(family, scan):
+  # The RoutedMoE body, replayed at bfloat16, compares its router logits
+  # with float32 constants (failed before: 'lax.max requires arguments to
+  # have the same dtypes').
+  m = build(family, scan)
+  sel = '//module_call[@type="DenseGeneral" or @type="RoutedMoE"]'
+  with m.context():
+    low = yax.cast(m.mox, sel, 'bfloat16')
+    yax.check_mox(low)
+    got = jit_eval(low, m.params, *m.args)
+  assert got.dtype == m.expected.dtype
+  assert not np.array_equal(got, m.expected)
+  np.testing.assert_allclose(got, m.expected, rtol=0.1,
+                             atol=0.1 * float(np.abs(m.expected).max()))
+  cast = yax.query(sel, low)
+  assert cast and all(n.params['compute_dtype'] == 'bfloat16' for n in cast)
+  if family == 'mixtral':
+    assert any(n.type_name == 'RoutedMoE' for n in cast)
+
+
 def test_cast_to_bfloat16():
   m = build('llama2', False)
   with m.context():

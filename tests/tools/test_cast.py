@@ -137,6 +137,36 @@ def test_nnx_cast_equals_the_modules_built_with_that_dtype():
       '': 'float32', 'lin': 'bfloat16', 'norm': 'float32', 'out': 'bfloat16'}
 
 
+class Capped(nnx.Module):
+  """Constants in the body: traced as float32 literals next to values
+  that a cast makes bfloat16."""
+
+  def __init__(self, rngs, dtype=None):
+    self.lin = nnx.Linear(4, 8, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.maximum(self.lin(x), -0.25) * 3.0
+
+
+def test_nnx_cast_of_a_body_with_constants_promotes_them_as_jnp_does():
+  # Failed before: 'lax.max requires arguments to have the same dtypes'
+  # (MaxText's RoutedMoE.get_topk, replayed at bfloat16).
+  model = Capped(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="Capped"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, state, x)
+  reference = Capped(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  want = reference(x)
+  assert want.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(got, want.astype(jnp.float32))
+  assert got.dtype == jnp.float32
+
+
 def test_cast_checks_its_arguments():
   x = jnp.ones((2, 4))
   linen = MLP()

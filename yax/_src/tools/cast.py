@@ -10,7 +10,9 @@ cast to that dtype at the call's boundary. The body therefore rounds as the
 same module built with ``dtype=compute`` would, and what the module's code
 casts explicitly (an upcast before a softmax or a norm) keeps its dtype. A
 call that cannot be rebuilt (an NNX module) has its traced body run again
-on the cast inputs and variables instead.
+on the cast inputs and variables instead, float operands that now differ
+in dtype (a float32 constant next to a bfloat16 value) taken as ``jnp``
+promotion would.
 The call's outputs are cast back to their traced dtypes (what the rest of
 the tree reads); stored params do not change, and the call keeps its type,
 path and variables, so selections written for the float tree still work.
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
 
-from yax._src.errors import SubstitutionError
+from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir.nodes import Equation, Literal, Mox
 from yax._src.rewrite.engine import (describe, leave_out_hint, read_symbols,
                                      select, substitute)
@@ -86,6 +88,40 @@ def _out_dtypes(node: Mox, output) -> list:
           for s in node.outputs]
 
 
+class _Promoting(_eval.Interpreter):
+  """Runs a traced body on inputs of other float dtypes: an equation whose
+  float operands now differ in dtype (a constant traced in float32 next to
+  a bfloat16 value) gets them as ``jnp`` promotion would, constants taking
+  the dtype of the values beside them (weakly typed, as Python scalars
+  are)."""
+
+  def run_equation(self, eqn: Equation) -> None:
+    floats = [(i, s) for i, s in enumerate(eqn.inputs)
+              if s.aval is not None and jnp.issubdtype(s.aval.dtype,
+                                                       jnp.floating)]
+    if eqn.children or len(floats) < 2:
+      return super().run_equation(eqn)
+    values = {i: (s.value if isinstance(s, Literal) else self.read(s))
+              for i, s in floats}
+    if len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
+      return super().run_equation(eqn)
+    computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
+    target = (jnp.result_type(*computed) if computed
+              else jnp.dtype(values[floats[0][0]].dtype))
+    args = [self.read(s) for s in eqn.inputs]
+    for i, _ in floats:
+      args[i] = jnp.asarray(values[i]).astype(target)
+    try:
+      outs = eqn.prim.bind(*args, **eqn.params)
+    except Exception as e:  # noqa: BLE001 - re-raised with where it happened
+      raise EvaluationError(
+          f'{describe(eqn)} of {describe(self.modules[-1])} at '
+          f'{target.name} failed: {type(e).__name__}: {e}') from e
+    outs = outs if eqn.prim.multiple_results else [outs]
+    for sym, value in zip(eqn.outputs, outs, strict=True):
+      self.write(sym, value)
+
+
 def _replayed(node: Mox, dtype, output=None) -> Mox:
   """A replacement for a call that cannot be rebuilt (an NNX module): its
   traced body run again on inputs and variables cast to ``dtype``, every
@@ -98,7 +134,7 @@ def _replayed(node: Mox, dtype, output=None) -> Mox:
 
   def run(values):
     low = [v.astype(dtype) if _is_float(v) else v for v in values]
-    outs = _eval.Interpreter().run(node, [], low)
+    outs = _Promoting().run(node, [], low)
     return [o.astype(t) if _is_float(o) and t else o
             for o, t in zip(outs, traced_out, strict=True)]
 
