@@ -7,8 +7,11 @@ inputs: trace (the model unchanged, module calls counted from the config),
 replay eagerly and under ``jax.jit``/``nnx.jit``, state updates (dropout's
 RNG counts), XPath queries for the attention projections, an activation swap
 against the model patched by hand, LoRA (identity at init, gradients equal
-to the model's own kernel gradients, ``merge`` reproduces the adapted model)
-and the summary's parameter total.
+to the model's own kernel gradients, ``merge`` reproduces the adapted model),
+int8 quantization and bfloat16 casts of the attention projections and MLP
+linears (against the model's own forward on the dequantized weights, and
+within bfloat16's error of its float32 forward) and the summary's parameter
+total.
 
 EasyDeL needs transformers 5 and the rest of the suite transformers<5, so
 this file runs in an environment of its own (CI: ``.ci-venv-easydel``)::
@@ -589,3 +592,158 @@ def test_summary_counts_every_parameter(lm):
   # read by the MoE block (inside a shard_map) from a submodule that is
   # never called, are the block's own.
   assert sum(r.own_params for r in rows) == top.params
+
+
+# ------------------------------------------------- quantization and casts
+
+def _linear_paths(lm):
+  """The module paths of q, k, v, o and of the MLP's linears (Mixtral's:
+  the router), layer by layer."""
+  mlp_names = (('gate',) if lm.family == 'mixtral'
+               else ('gate_proj', 'up_proj', 'down_proj'))
+  return [path for i in range(lm.config.num_hidden_layers) for path in (
+      *[('model', 'layers', str(i), 'self_attn', p)
+        for p in ('q_proj', 'k_proj', 'v_proj', 'o_proj')],
+      *[('model', 'layers', str(i), lm.spec['mlp_at'], n)
+        for n in mlp_names])]
+
+
+def _linears(lm):
+  """The attention projections and the MLP's linear layers (one XPath)."""
+  return f'{attention_xpath(lm)}{LINEAR} | {mlp_xpath(lm)}{LINEAR}'
+
+
+def test_quantize_int8_the_attention_and_mlp_linears(lm):
+  """int8 kernels (one scale per output column) for q, k, v, o and the MLP's
+  linears: the quantized tree computes what EasyDeL's own forward computes
+  with the dequantized kernels, and the stored kernels are int8."""
+  graphdef, state, _, mox = split_form(lm)
+  selection = _linears(lm)
+  paths = _linear_paths(lm)
+  assert [n.path for n in yax.query(selection, mox)] == paths
+  q = yax.quantize(mox, state, selection, weight='int8')
+  yax.check_mox(q.mox)
+  assert sorted(q.paths) == sorted(paths)
+  assert isinstance(q.params, nnx.State)
+  back = q.dequantize(q.params)
+  assert isinstance(back, nnx.State)
+  got = jit_eval(q.mox, q.params, lm.ids)
+  want = own_forward(nnx.merge(graphdef, back), lm.ids)
+  assert_trees_close(got, want, **TOL)
+  # Quantization changed the model (slightly): not the float output.
+  assert not np.array_equal(np.asarray(got.logits),
+                            np.asarray(lm.expected.logits))
+  top = float(np.abs(lm.expected.logits).max())
+  np.testing.assert_allclose(got.logits, lm.expected.logits, rtol=0,
+                             atol=0.05 * top)
+  for path in paths:
+    stored, float_node, back_node = (_node(t, path)
+                                     for t in (q.params, state, back))
+    original = np.asarray(float_node['kernel'][...])
+    kernel = stored['kernel'][...]
+    assert kernel.dtype == jnp.int8 and kernel.shape == original.shape, path
+    assert stored['kernel_scale'][...].shape == (1, original.shape[1]), path
+    assert stored['kernel_scale'][...].dtype == jnp.float32
+    # Dequantized within one int8 step of the float kernel (absmax/127.5
+    # per output column).
+    step = np.abs(original).max(axis=0) / 127.5
+    err = np.abs(np.asarray(back_node['kernel'][...]) - original)
+    assert (err <= step / 2 + 1e-7).all(), path
+    if 'bias' in float_node:  # Qwen 2's q/k/v: biases stay float
+      assert stored['bias'][...].dtype == jnp.float32
+  before, after = q.nbytes
+  assert after < before
+  if lm.family == 'mixtral':
+    # Only the router is a linear module call; the experts' kernels, read
+    # by the MoE block inside the shard_map of its grouped matmul, stay
+    # float, and selecting the block itself is refused by name.
+    for i in range(lm.config.num_hidden_layers):
+      experts = _node(q.params, ('model', 'layers', str(i),
+                                 'block_sparse_moe', 'experts'))
+      assert {experts[w]['kernel'][...].dtype
+              for w in ('w1', 'w2', 'w3')} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(yax.SubstitutionError) as refused:
+      yax.quantize(mox, state, mlp_xpath(lm), weight='int8')
+    message = str(refused.value)
+    assert 'cannot quantize 2 of the 2 module calls' in message
+    for i in range(lm.config.num_hidden_layers):
+      assert (f"module_call MixtralSparseMoeBlock at path 'model/layers/{i}/"
+              "block_sparse_moe': it has no parameter of 2 or more axes "
+              'that reaches a dot_general or convolution (a kernel)'
+              in message), message
+
+
+def test_cast_the_attention_and_mlp_linears_to_bfloat16(lm):
+  """q, k, v, o and the MLP's linears computing in bfloat16, next to
+  EasyDeL's own float32 forward: the outputs keep their dtype and are
+  within bfloat16's error; the matmuls of the selected calls multiply
+  bfloat16 values, the norms stay float32."""
+  _, state, _, mox = split_form(lm)
+  selection = _linears(lm)
+  low = yax.cast(mox, selection, 'bfloat16')
+  yax.check_mox(low)
+  got = jit_eval(low, state, lm.ids)
+  want = lm.expected
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype and g.shape == w.shape
+  assert got.logits.dtype == jnp.float32
+  assert not np.array_equal(np.asarray(got.logits), np.asarray(want.logits))
+  top = float(np.abs(want.logits).max())
+  np.testing.assert_allclose(got.logits, want.logits, rtol=0.1,
+                             atol=0.1 * top)
+  hidden = float(np.abs(want.last_hidden_state).max())
+  np.testing.assert_allclose(got.last_hidden_state, want.last_hidden_state,
+                             rtol=0.1, atol=0.1 * hidden)
+  cast = yax.query(selection, low)
+  assert [n.path for n in cast] == _linear_paths(lm)
+  assert all(n.params['compute_dtype'] == 'bfloat16' for n in cast)
+  # Every matmul of a cast call multiplies bfloat16 values. EasyDeL's
+  # attention returns bfloat16 even in this float32 model, so its o_proj
+  # was traced converting its input to float32 (`astype(self.dtype)`); that
+  # explicit cast is kept on replay: o_proj's dot_general takes bfloat16
+  # values converted to float32 (the same products; it accumulates in
+  # float32 as the others do), the other calls' take bfloat16 operands.
+  widened = set()
+  for node in cast:
+    assert node.outputs[0].aval.dtype == jnp.float32, node.path
+    made_by = {o: e for e in node.children if not isinstance(e, yax.Mox)
+               for o in e.outputs}
+    dots = [e for e in made_by.values() if e.prim.name == 'dot_general']
+    assert dots, node.path
+    for dot in dots:
+      for s in dot.inputs:
+        if s.aval.dtype == jnp.bfloat16:
+          continue
+        widened.add(node.path)
+        src = made_by.get(s)
+        assert src is not None and src.prim.name == 'convert_element_type' \
+            and src.inputs[0].aval.dtype == jnp.bfloat16, (node.path, dot)
+  assert widened == set(layer_paths(lm, 'self_attn', 'o_proj'))
+  for path in widened:
+    (traced,) = yax.query(f'{attention_xpath(lm)}{LINEAR}'
+                          f'[@path="{"/".join(path)}"]', mox)
+    assert traced.inputs[-1].aval.dtype == jnp.bfloat16
+  norms = yax.query('//module_call[contains(@type, "RMSNorm")]'
+                    '[@method="__call__"]', low)
+  assert norms and all('compute_dtype' not in n.params for n in norms)
+
+
+def test_cast_the_mlp_blocks_to_bfloat16(lm):
+  """Each layer's whole MLP call to bfloat16 (run again on bfloat16 inputs
+  and variables: an NNX call). Mixtral's MoE block routes in float32 (its
+  router weights) next to bfloat16 experts inside a ``shard_map``, whose
+  body then runs at the dtypes it was traced for (failed before: the
+  ``shard_map`` was bound with its raw params, "KeyError: 'subfuns'")."""
+  _, state, _, mox = split_form(lm)
+  selection = mlp_xpath(lm)
+  low = yax.cast(mox, selection, 'bfloat16')
+  yax.check_mox(low)
+  got = jit_eval(low, state, lm.ids)
+  want = lm.expected
+  assert got.logits.dtype == want.logits.dtype
+  assert not np.array_equal(np.asarray(got.logits), np.asarray(want.logits))
+  np.testing.assert_allclose(got.logits, want.logits, rtol=0.1,
+                             atol=0.1 * float(np.abs(want.logits).max()))
+  cast = yax.query(selection, low)
+  assert [n.path for n in cast] == layer_paths(lm, lm.spec['mlp_at'])
+  assert all(n.params['compute_dtype'] == 'bfloat16' for n in cast)

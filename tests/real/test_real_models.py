@@ -6,7 +6,8 @@ Every check compares YAX with the model's own forward pass on the same
 inputs: trace, replay (eagerly and under ``jax.jit``), queries counted from
 the config, an activation swap against the model patched by hand, LoRA
 (identity at init, ``merge`` reproduces the adapted model) and the summary's
-parameter total.
+parameter total; int8 ``quantize`` (against the model run on the dequantized
+weights) and ``cast`` to bfloat16 (within bfloat16 error of the float model).
 
 Install the libraries with ``bash tests/install_real_models.sh``. When one is
 missing the test fails if ``CI`` is set (a silent skip in CI is a defect),
@@ -153,6 +154,20 @@ def check_lora(mox, variables, selection, expected_modules, call, args, *,
   assert_trees_close(call(merged, *args), adapted, **TOL)
   assert_trees_close(jit_eval(mox, merged, *args), adapted, **TOL)
   return res
+
+
+def _check_close_to_bfloat16(got, expected, logits):
+  """``got`` (a cast tree's output) has ``expected``'s structure and dtypes,
+  its logits (``logits(output)``) differ from the float ones, and every leaf
+  is within bfloat16 error of ``expected``'s."""
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    assert g.dtype == e.dtype and g.shape == e.shape
+  assert not np.array_equal(logits(got), logits(expected))
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    e = np.asarray(e)
+    np.testing.assert_allclose(
+        g, e, rtol=0.1, atol=0.1 * float(np.abs(e).max(initial=0)))
 
 
 # ======================================================= Gemma 3 (gemma 3.3.0)
@@ -333,6 +348,23 @@ def test_gemma_quantize_matches_the_dequantized_model(gemma):
   assert after < before
 
 
+def test_gemma_cast_einsums_to_bfloat16(gemma):
+  """Every Einsum (under Transformer.__call__'s nn.jit) computes in
+  bfloat16: the output keeps its dtypes and stays within bfloat16 error of
+  gemma's float32 forward; the RMSNorms, softmax and GELU stay float32."""
+  selection = '//module_call[@type="Einsum"]'
+  low = yax.cast(gemma.mox, selection, 'bfloat16')
+  yax.check_mox(low)
+  got = jit_eval(low, gemma.variables, *gemma.args)
+  _check_close_to_bfloat16(got, gemma.expected, lambda out: out.logits)
+  nodes = yax.query(selection, low)
+  assert len(nodes) == 5 * gemma.config.num_layers
+  for node in nodes:
+    assert node.params['compute_dtype'] == 'bfloat16'
+  for node in yax.query('//module_call[@type="RMSNorm"]', low):
+    assert node.params.get('compute_dtype', 'float32') == 'float32'
+
+
 def test_gemma_summary_counts_every_parameter(gemma):
   rows = yax.summary(gemma.mox)
   top = rows[0]
@@ -450,3 +482,75 @@ def test_griffin_summary_counts_every_parameter(griffin):
   top = yax.summary(griffin.mox)[0]
   assert top.module == 'Griffin' and top.path == ''
   assert top.params == n_params(griffin.variables)
+
+
+def _griffin_dense(griffin):
+  config = griffin.config
+  n_rec = sum(t == griffin.rg.TemporalBlockType.RECURRENT
+              for t in config.block_types)
+  n_att = config.num_layers - n_rec
+  return ('//module_call[@type="Dense"]',
+          4 * n_att + 3 * n_rec + config.num_layers)
+
+
+def test_griffin_quantize_matches_the_dequantized_model(griffin):
+  """int8 kernels on every Dense, inside the nn.remat'ed residual blocks:
+  the quantized tree computes what recurrentgemma's Griffin computes with
+  the dequantized weights."""
+  selection, n_modules = _griffin_dense(griffin)
+  q = yax.quantize(griffin.mox, griffin.variables, selection, weight='int8')
+  yax.check_mox(q.mox)
+  assert len(q.paths) == n_modules
+  back = q.dequantize(q.params)
+  assert jax.tree.structure(back) == jax.tree.structure(griffin.variables)
+  # A fresh function for jax.jit (see the GELU swap above).
+  want = jax.jit(lambda v, t, p: griffin.model.apply(v, t, p))(
+      back, *griffin.args)
+  # Rounding the kernels changes the output beyond the tolerance.
+  assert not np.allclose(want[0], griffin.expected[0], **TOL)
+  assert_trees_close(jit_eval(q.mox, q.params, *griffin.args), want, **TOL)
+  for path in (('blocks.1', 'attention_block', 'proj_q'),
+               ('blocks.0', 'recurrent_block', 'linear_x'),
+               ('blocks.0', 'mlp_block', 'ffw_down')):
+    node = q.params['params']
+    for k in path:
+      node = node[k]
+    original = griffin.variables['params']
+    for k in path:
+      original = original[k]
+    assert node['kernel'].dtype == jnp.int8
+    assert node['kernel'].shape == original['kernel'].shape
+    assert node['kernel_scale'].shape == (1, original['kernel'].shape[1])
+    # Biases (where there are: not on the attention's q) stay float.
+    assert set(node) == {'kernel_scale', *original}
+    if 'bias' in node:
+      assert node['bias'].dtype == jnp.float32
+    # Dequantized, each kernel is within one int8 step of the float one.
+    dequantized = back['params']
+    for k in path:
+      dequantized = dequantized[k]
+    kernel = np.asarray(original['kernel'])
+    np.testing.assert_allclose(dequantized['kernel'], kernel,
+                               atol=float(np.abs(kernel).max()) / 127)
+    assert not np.array_equal(dequantized['kernel'], kernel)
+  for node in yax.query(selection, q.mox):
+    assert node.params['quant'] == 'int8'
+  before, after = q.nbytes
+  assert after < before
+
+
+def test_griffin_cast_dense_to_bfloat16(griffin):
+  """Every Dense computes in bfloat16 (inside nn.remat); the RG-LRU scan,
+  the norms and the rest stay float32: the output keeps its dtypes and stays
+  within bfloat16 error of Griffin's float32 forward."""
+  selection, n_modules = _griffin_dense(griffin)
+  low = yax.cast(griffin.mox, selection, 'bfloat16')
+  yax.check_mox(low)
+  got = jit_eval(low, griffin.variables, *griffin.args)
+  _check_close_to_bfloat16(got, griffin.expected, lambda out: out[0])
+  nodes = yax.query(selection, low)
+  assert len(nodes) == n_modules
+  for node in nodes:
+    assert node.params['compute_dtype'] == 'bfloat16'
+  assert all(x.dtype == jnp.float32
+             for x in jax.tree.leaves(griffin.variables['params']))

@@ -6,8 +6,10 @@ Every check compares YAX with the model's own forward pass on the same
 inputs (a prefill into a KV cache, so the cache is an input and an output):
 trace, replay eagerly and under ``jax.jit``, state updates (``sow``),
 queries counted from the config, an activation swap against the model patched
-by hand, LoRA (identity at init, ``merge`` reproduces the adapted model) and
-the summary's parameter total.
+by hand, LoRA (identity at init, ``merge`` reproduces the adapted model), int8
+``quantize`` (against the model run on the dequantized weights), ``cast``
+to bfloat16 (within bfloat16 error of the float model) and the summary's
+parameter total.
 
 Install the libraries with ``bash tests/install_real_models.sh``. When tunix
 is missing the tests fail if ``CI`` is set (a silent skip in CI is a defect),
@@ -369,3 +371,97 @@ def test_summary_counts_every_parameter(lm):
   top = yax.summary(lm.mox)[0]
   assert top.module == lm.spec['cls'] and top.path == ''
   assert top.params == n_params(lm.model)
+
+
+# ------------------------------------------- quantize (int8) and cast (bf16)
+
+def _mlp_linears(lm):
+  return (f'//module_call[@type="{lm.spec["mlp"]}"][@method="__call__"]'
+          '//module_call[@type="Linear"]',
+          lm.spec['mlp_linears'] * lm.config.num_layers)
+
+
+def _attn_einsums(lm):
+  return ('//module_call[@type="Attention"][@method="__call__"]'
+          '//module_call[@type="Einsum"]',
+          lm.spec['attn_einsums'] * lm.config.num_layers)
+
+
+# The selections of the LoRA tests above, with how many calls each picks.
+SELECTIONS = {
+    'mlp_linears': _mlp_linears,
+    'attn_einsums': _attn_einsums,
+}
+
+
+def _kernel_path(lm, which):
+  """A weight of layer 0 that ``which`` quantizes: its path in the state."""
+  if which == 'mlp_linears':
+    name = 'router' if lm.family == 'qwen3' else 'gate_proj'
+    return ('layers', 0, 'mlp', name, 'kernel')
+  name = 'q_einsum' if lm.family == 'gemma3' else 'q_proj'
+  return ('layers', 0, 'attn', name, 'w')
+
+
+def _leaf(state, path):
+  node = state
+  for k in path:
+    node = node[k]
+  return node[...] if isinstance(node, nnx.Variable) else node
+
+
+@pytest.mark.parametrize('which', list(SELECTIONS))
+def test_quantize_int8_matches_the_dequantized_model(lm, which):
+  """int8 kernels (one scale per output channel) on the selected calls: the
+  quantized tree computes what tunix's model computes with the dequantized
+  weights."""
+  selection, n_modules = SELECTIONS[which](lm)
+  graphdef, state, _, mox = split_form(lm)
+  q = yax.quantize(mox, state, selection, weight='int8')
+  yax.check_mox(q.mox)
+  assert len(q.paths) == n_modules
+  back = q.dequantize(q.params)
+  assert isinstance(back, nnx.State)
+  want = nnx.jit(lambda m, *a: m(*a))(nnx.merge(graphdef, back), *lm.args)
+  # Rounding the kernels changes the output beyond the tolerance.
+  assert not np.allclose(want[0], lm.expected[0], **TOL)
+  assert_trees_close(jit_eval(q.mox, q.params, *lm.args), want, **TOL)
+  path = _kernel_path(lm, which)
+  original = np.asarray(_leaf(state, path))
+  stored = _leaf(q.params, path)
+  assert stored.dtype == jnp.int8 and stored.shape == original.shape
+  # Dequantized, each kernel is within one int8 step of the float one.
+  step = float(np.abs(original).max()) / 127
+  np.testing.assert_allclose(np.asarray(_leaf(back, path)), original,
+                             atol=step)
+  assert not np.array_equal(np.asarray(_leaf(back, path)), original)
+  for node in yax.query(selection, q.mox):
+    assert node.params['quant'] == 'int8'
+  before, after = q.nbytes
+  assert after < before
+
+
+@pytest.mark.parametrize('which', list(SELECTIONS))
+def test_cast_to_bfloat16(lm, which):
+  """The selected calls compute in bfloat16; the output keeps its dtype and
+  stays within bfloat16 error of tunix's float32 forward."""
+  selection, n_modules = SELECTIONS[which](lm)
+  _, state, _, mox = split_form(lm)
+  low = yax.cast(mox, selection, 'bfloat16')
+  yax.check_mox(low)
+  got = jit_eval(low, state, *lm.args)
+  assert jax.tree.structure(got) == jax.tree.structure(lm.expected)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(lm.expected)):
+    assert g.dtype == e.dtype and g.shape == e.shape
+  logits, expected = got[0], lm.expected[0]
+  assert not np.array_equal(logits, expected)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(lm.expected)):
+    e = np.asarray(e)
+    np.testing.assert_allclose(
+        g, e, rtol=0.1, atol=0.1 * float(np.abs(e).max(initial=0)))
+  nodes = yax.query(selection, low)
+  assert len(nodes) == n_modules
+  for node in nodes:
+    assert node.params['compute_dtype'] == 'bfloat16'
+  # The stored params are not changed.
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))

@@ -26,8 +26,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
+from jax.extend import core as jex
 
 from yax._src.errors import EvaluationError, SubstitutionError
+from yax._src.ir import lower as _lower
 from yax._src.ir.nodes import Equation, Literal, Mox
 from yax._src.rewrite.engine import (describe, leave_out_hint, read_symbols,
                                      select, substitute)
@@ -93,7 +95,9 @@ class _Promoting(_eval.Interpreter):
   float operands now differ in dtype (a constant traced in float32 next to
   a bfloat16 value) gets them as ``jnp`` promotion would, constants taking
   the dtype of the values beside them (weakly typed, as Python scalars
-  are)."""
+  are). An equation with a body of its own that calls no module (a
+  ``shard_map``, a ``jit``) gets them at the dtypes its body was traced
+  for, and computes as traced."""
 
   def run_equation(self, eqn: Equation) -> None:
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
@@ -105,19 +109,32 @@ class _Promoting(_eval.Interpreter):
               for i, s in floats}
     if len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
       return super().run_equation(eqn)
-    computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
-    target = (jnp.result_type(*computed) if computed
-              else jnp.dtype(values[floats[0][0]].dtype))
-    args = [self.read(s) for s in eqn.inputs]
-    for i, _ in floats:
-      args[i] = jnp.asarray(values[i]).astype(target)
+    if any(isinstance(p, (jex.Jaxpr, jex.ClosedJaxpr))
+           for p in eqn.params.values()):
+      target = 'the dtypes its body was traced for'
+      args = [values[i].astype(s.aval.dtype) if i in values else self.read(s)
+              for i, s in enumerate(eqn.inputs)
+              if not isinstance(s, Literal)]
+      run = lambda: jax.core.eval_jaxpr(_lower.one_equation_jaxpr(eqn), [],
+                                        *args)
+    else:
+      computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
+      dtype = (jnp.result_type(*computed) if computed
+               else jnp.dtype(values[floats[0][0]].dtype))
+      target = dtype.name
+      args = [self.read(s) for s in eqn.inputs]
+      for i, _ in floats:
+        args[i] = jnp.asarray(values[i]).astype(dtype)
+
+      def run():
+        outs = eqn.prim.bind(*args, **eqn.params)
+        return outs if eqn.prim.multiple_results else [outs]
     try:
-      outs = eqn.prim.bind(*args, **eqn.params)
+      outs = run()
     except Exception as e:  # noqa: BLE001 - re-raised with where it happened
       raise EvaluationError(
-          f'{describe(eqn)} of {describe(self.modules[-1])} at '
-          f'{target.name} failed: {type(e).__name__}: {e}') from e
-    outs = outs if eqn.prim.multiple_results else [outs]
+          f'{describe(eqn)} of {describe(self.modules[-1])} at {target} '
+          f'failed: {type(e).__name__}: {e}') from e
     for sym, value in zip(eqn.outputs, outs, strict=True):
       self.write(sym, value)
 
