@@ -523,3 +523,65 @@ def test_stack_moved_before_the_scan_is_stored_quantized_in_its_layout(fmt):
   assert yax.eval_mox(mox, variables, x).shape == (2, 6)
   assert yax.query('//module_call[@type="Dense"]', mox)[0].params.get(
       'quant') is None
+
+
+class _Experts(nn.Module):
+  """Two expert kernels contracted inside the call, an activation between
+  them (MaxText's RoutedMoE, ``[experts, in, out]``): no one kernel of the
+  call reaches its output, each is rewritten at its contraction."""
+
+  @nn.compact
+  def __call__(self, x):  # x: [experts, tokens, features]
+    init = nn.initializers.normal(0.5)
+    wi = self.param('wi', init, (3, 4, 6))
+    # A gate of the same shape: its dequantization is the same traced
+    # function, spliced in twice.
+    wg = self.param('wg', init, (3, 4, 6))
+    wo = self.param('wo', init, (3, 6, 4))
+    h = nn.gelu(jnp.einsum('etd,edh->eth', x, wg)) * jnp.einsum(
+        'etd,edh->eth', x, wi)
+    return jnp.einsum('eth,ehd->etd', h, wo)
+
+
+@pytest.mark.parametrize('fmt', ['int8', 'nf4'])
+def test_expert_kernels_contracted_in_the_body_get_scales_per_expert(fmt):
+  model = _Experts()
+  x = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  q = yax.quantize(mox, variables, '//module_call[@type="_Experts"]',
+                   weight=fmt)
+  yax.check_mox(q.mox)
+  stored = q.params['params']
+  assert sorted(stored) == ['wg', 'wg_scale', 'wi', 'wi_scale', 'wo',
+                            'wo_scale']
+  assert stored['wi_scale'].shape == (3, 1, 6)  # per expert, per output
+  assert stored['wo_scale'].shape == (3, 1, 4)
+  back = q.dequantize(q.params)
+  for name in ('wg', 'wi', 'wo'):
+    w = variables['params'][name]
+    want = np.stack([reference(w[e], fmt, (0,)) for e in range(3)])
+    np.testing.assert_allclose(back['params'][name], want, rtol=1e-6,
+                               atol=1e-6)
+  np.testing.assert_allclose(
+      jax.jit(lambda p, x: yax.eval_mox(q.mox, p, x))(q.params, x),
+      model.apply(back, x), **TOL)
+  # QLoRA: adapters per expert at each contraction, on the stored kernels
+  # (every kernel: two of them dequantized by one spliced function, whose
+  # values are each its own); identity at init, merged into float kernels.
+  res = yax.lora(q.mox, q.params, '//module_call[@type="_Experts"]', rank=2)
+  assert sorted(k for k in res.params['params'] if 'lora' in k) == [
+      f'{w}_lora_{ab}' for w in ('wg', 'wi', 'wo') for ab in 'ab']
+  assert res.params['params']['wi_lora_a'].shape == (3, 4, 2)
+  assert res.params['params']['wi_lora_b'].shape == (3, 2, 6)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x),
+                             model.apply(back, x), **TOL)
+  trained = jax.tree.map(lambda a: a, res.params)
+  for name in ('wg_lora_b', 'wi_lora_b', 'wo_lora_b'):
+    b = trained['params'][name]
+    trained['params'][name] = jax.random.normal(jax.random.key(2), b.shape)
+  merged = res.merge(trained)
+  assert sorted(merged['params']) == ['wg', 'wi', 'wo']
+  np.testing.assert_allclose(model.apply(merged, x),
+                             yax.eval_mox(res.mox, trained, x),
+                             rtol=1e-4, atol=1e-4)

@@ -47,7 +47,7 @@ from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
 from yax._src.ir import rules as _rules
-from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, iter_nodes
+from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax._src.ir.variables import var_entries, var_keys
 from yax._src.rewrite.engine import describe
 from yax._src.rewrite.quant_formats import FORMATS
@@ -155,11 +155,26 @@ class _Flattener:
     self.eqns: list[_Flat] = []
     self.path = path  # the node's: calls of its other methods are its own
     self.depth = 0  # calls of other modules entered below the node
+    self.inlined = 0  # call bodies being inlined
 
   def canon(self, sym):
     while sym in self.alias:
       sym = self.alias[sym]
     return sym
+
+  def _defined(self, outputs) -> list:
+    """The values an equation defines. Inside an inlined body, fresh ones
+    at each inlining: one body object may be called at several places (a
+    traced helper spliced in twice shares its ``jit`` bodies), and each
+    place computes its own values."""
+    if not self.inlined:
+      return list(outputs)
+    fresh = []
+    for out in outputs:
+      new = Var(out.aval)
+      self.alias[out] = new
+      fresh.append(new)
+    return fresh
 
   def _input(self, sym):
     if isinstance(sym, Literal):
@@ -181,7 +196,9 @@ class _Flattener:
         for inner, outer in zip(body.inputs, sources, strict=True):
           if not isinstance(outer, Literal) and inner is not outer:
             self.alias[inner] = self.canon(outer)
+        self.inlined += 1
         self.node_children(body.children)
+        self.inlined -= 1
         for outer, inner in zip(child.outputs, body.outputs, strict=True):
           if not isinstance(inner, Literal) and outer is not inner:
             self.alias[outer] = self.canon(inner)
@@ -191,17 +208,19 @@ class _Flattener:
       else:
         self.eqns.append(_Flat(child.prim, dict(child.params),
                                [self._input(s) for s in child.inputs],
-                               list(child.outputs), child, self.depth > 0))
+                               self._defined(child.outputs), child,
+                               self.depth > 0))
 
   def raw(self, jaxpr, inputs, outputs):
     jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
     if len(jaxpr.invars) != len(inputs):
       self.eqns.append(_Flat(None, {}, [self._input(s) for s in inputs],
-                             list(outputs)))
+                             self._defined(outputs)))
       return
     for inner, outer in zip(jaxpr.invars, inputs, strict=True):
       if not isinstance(outer, Literal):
         self.alias[inner] = self.canon(outer)
+    self.inlined += 1
     for eqn in jaxpr.eqns:
       body = _raw_body(eqn.params)
       if eqn.primitive.name in _CALLS and body is not None:
@@ -209,7 +228,8 @@ class _Flattener:
       else:
         self.eqns.append(_Flat(eqn.primitive, dict(eqn.params),
                                [self._input(s) for s in eqn.invars],
-                               list(eqn.outvars)))
+                               self._defined(eqn.outvars)))
+    self.inlined -= 1
     for outer, inner in zip(outputs, jaxpr.outvars, strict=True):
       if not isinstance(inner, jex.Literal):
         self.alias[outer] = self.canon(inner)
@@ -564,7 +584,8 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
     if reasons:
       i, why = reasons[0]
       return (f"its kernel {'/'.join(keys[i])}:"
-              f'{node.var_inputs[i].type_str} cannot carry an adapter: {why}')
+              f'{node.var_inputs[i].type_str} does not fit a kernel '
+              f'rewrite: {why}')
     listed = ', '.join('/'.join(k) + ':' + s.type_str
                        for k, s in zip(keys, node.var_inputs, strict=True))
     return ('it has no parameter of 2 or more axes that reaches a '

@@ -411,6 +411,7 @@ class _Substitution:
       return eqn.replace(inputs=inputs)
     where = _where(eqn, self.enclosing_path())
     bodies, needed, const_values = [], [], {}
+    retyped_out = {}  # output position -> its new dtype
     for index, (body, form) in enumerate(
         zip(eqn.children, eqn.body_forms, strict=True)):
       frame = _Frame(body, [], [], is_body=True)
@@ -425,6 +426,12 @@ class _Substitution:
             '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
             'arguments of the node it replaces')
       outputs = [self.rename(s) for s in body.outputs]
+      if self.retype:  # a retyped variable the body returns (NNX state)
+        for j, (old, new) in enumerate(zip(body.outputs, outputs,
+                                           strict=True)):
+          if new is not old and new.aval is not None and \
+              old.aval is not None and new.aval.dtype != old.aval.dtype:
+            retyped_out[j] = new.aval.dtype
       if (not _same_nodes(children, body.children)
           or outputs != body.outputs or frame.new_consts):
         body = body.replace(children=children, outputs=outputs)
@@ -475,7 +482,17 @@ class _Substitution:
           self.added[loc] = var
     if inputs == eqn.inputs and _same_nodes(bodies, eqn.children):
       return eqn
-    return eqn.replace(inputs=inputs, children=bodies, params=dict(params))
+    # A body output retyped: the equation's output at that position (its
+    # bodies' outputs are its outputs, in order: carry then stacked ys for
+    # a scan) holds the new dtype; its readers read the new symbol.
+    outs = list(eqn.outputs)
+    for j, dtype in retyped_out.items():
+      if j < len(outs) and outs[j].aval.dtype != dtype:
+        fresh = Var(outs[j].aval.update(dtype=dtype))
+        self.ren[outs[j]] = fresh
+        outs[j] = fresh
+    return eqn.replace(inputs=inputs, outputs=outs, children=bodies,
+                       params=dict(params))
 
   def _retype_body_inputs(self, eqn: Equation, index: int, body: Mox,
                           inputs: list) -> Mox:

@@ -79,7 +79,7 @@ from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      describe,
                                      inline, leave_out_hint, select, substitute)
-from yax._src.rewrite.quant_formats import dequantize_array
+from yax._src.rewrite.quant_formats import dequantize_kernel
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 
@@ -667,9 +667,10 @@ def merge(trained, *, merges: tuple, inside: tuple, scale: float,
     drop = names
     if plan.quant is not None:  # QLoRA: back to the float kernel
       scale_name = f'{plan.kernel_name}_scale'
-      kernel = dequantize_array(kernel, unboxed(get_in(
-          out, (*keys, scale_name))), plan.quant, a.dtype,
-          plan.contracted)
+      kernel = dequantize_kernel(
+          kernel, unboxed(get_in(out, (*keys, scale_name))), plan.quant,
+          a.dtype, plan.contracted, kernel.ndim - len(plan.kernel_shape),
+          plan.source_perm)
       drop = (*names, scale_name)
     delta = _kernel_delta(plan, a, b)
     if tuple(delta.shape) != tuple(kernel.shape):

@@ -152,54 +152,59 @@ def _equation_template(eqn: Equation, act: str) -> Mox:
   return make_mox(fn)(a, b)
 
 
-def _template(node: Mox, plan, fmt: str, mode: str, act=None,
-              kernel_index=None, tile=None) -> Mox:
-  """``node`` reading its kernel through (de)quantization equations
-  (``kernel_index``: where the kernel is among the node's variables, for a
-  call that reads the kernel of another call's plan, as Embed's lookup
-  reads the table its attend contracts)."""
-  c = plan.contraction
-  index = c.kernel_index if kernel_index is None else kernel_index
-  kernel = node.var_inputs[index]
-  contracted = plan.contracted
-  shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
-  scale_name = f'{plan.kernel_name}_scale'
-  if mode == 'qat':
-    stored = Var(kernel.aval)
-    root = _fake_quantizer(shape, dtype, fmt, contracted, tile)
-    extra = []
-  else:
-    q_dtype = FORMATS[fmt][0]
-    s_shape = scale_shape(shape, contracted, tile)
-    stored = Var(jax.core.ShapedArray(shape, jnp.dtype(q_dtype)))
-    scale = Var(jax.core.ShapedArray(s_shape, jnp.float32))
-    root = _dequantizer(shape, dtype, fmt, contracted, tile)
-    extra = [(scale_name, scale)]
-  children = inline(root, [stored, *(v for _, v in extra)], [kernel])
-  var_inputs = [stored if i == index else s
-                for i, s in enumerate(node.var_inputs)]
+def _template(node: Mox, kernels, fmt: str, mode: str, act=None,
+              tile=None) -> Mox:
+  """``node`` reading its kernels through (de)quantization equations.
+  ``kernels``: ``[(plan, index), ...]``, one per kernel the call reads
+  quantized (a MoE's expert kernels: several), ``index`` where the kernel
+  is among the node's variables (None: the plan's own; a call that reads
+  the kernel of another call's plan, as Embed's lookup reads the table its
+  attend contracts, gives its own)."""
+  var_inputs = list(node.var_inputs)
+  children, extra, constvars, consts = [], [], [], []
+  inits = dict(node.inits or {})
   group, kind = ((NNX_GROUP, 'Param') if is_nnx(node)
-                 else (plan.kernel_keys[0],) * 2)
+                 else (kernels[0][0].kernel_keys[0],) * 2)
+  for plan, kernel_index in kernels:
+    index = (plan.contraction.kernel_index if kernel_index is None
+             else kernel_index)
+    kernel = node.var_inputs[index]
+    contracted = plan.contracted
+    shape, dtype = tuple(kernel.aval.shape), kernel.aval.dtype
+    scale_name = f'{plan.kernel_name}_scale'
+    if mode == 'qat':
+      stored = Var(kernel.aval)
+      root = _fake_quantizer(shape, dtype, fmt, contracted, tile)
+      scales = []
+    else:
+      q_dtype = FORMATS[fmt][0]
+      stored = Var(jax.core.ShapedArray(shape, jnp.dtype(q_dtype)))
+      scale = Var(jax.core.ShapedArray(scale_shape(shape, contracted, tile),
+                                       jnp.float32))
+      root = _dequantizer(shape, dtype, fmt, contracted, tile)
+      scales = [(scale_name, scale)]
+      # How init_params stores a float kernel quantized.
+      inits[(group, scale_name)] = functools.partial(
+          _init_scale, var_entries(node)[index].keys, (group, scale_name),
+          fmt, contracted, tile, len(shape), plan.source_perm)
+    children += inline(root, [stored, *(v for _, v in scales)], [kernel])
+    constvars += root.constvars
+    consts += root.consts
+    var_inputs[index] = stored
+    extra += scales
   var_inputs, var_tree = with_variables(node, var_inputs, [
       VarEntry(group, kind, (name,), True, True, sym) for name, sym in extra])
   arg_inputs = list(node.arg_inputs)
-  constvars, consts = list(root.constvars), list(root.consts)
   if act is not None:  # the input, quantized per row before the body
+    c = kernels[0][0].contraction
     x = node.inputs[c.x_index]
     x_in = Var(x.aval)
     act_root = _act_quantizer(tuple(x.aval.shape), x.aval.dtype, act,
                               _x_axes(c))
-    act_children = inline(act_root, [x_in], [x])
-    children = act_children + children
+    children = inline(act_root, [x_in], [x]) + children
     constvars += act_root.constvars
     consts += act_root.consts
     arg_inputs = [x_in if s is x else s for s in arg_inputs]
-  inits = dict(node.inits or {})
-  if extra:  # how init_params stores a float kernel quantized
-    kernel_keys = var_entries(node)[index].keys
-    inits[(group, scale_name)] = functools.partial(
-        _init_scale, kernel_keys, (group, scale_name), fmt, contracted, tile,
-        len(shape), plan.source_perm)
   call = Mox(var_inputs + arg_inputs, list(node.outputs),
              {**node.params, 'quant': fmt if mode == 'ptq' else f'{fmt}-qat'},
              children=children + list(node.children),
@@ -298,8 +303,11 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
         equations[id(node)] = _equation_template(node, act)
     else:
       modules.append(node)
+  # Every kernel a call contracts: its one kernel, or each kernel it
+  # contracts in its body (a MoE's experts, [experts, in, out]).
   targets = _contraction.plan_kernels(
-      dataclasses.replace(chosen, targets=tuple(modules)), 'quantize')
+      dataclasses.replace(chosen, targets=tuple(modules)), 'quantize',
+      every=True)
   plans = {}
   for target in targets:
     node, plan = target.node, target.plan
@@ -318,24 +326,29 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
                        'contracted elements of its kernel '
                        f'{kernel.type_str}'))
       continue
-    if act is not None and _x_axes(plan.contraction) is None:
+    if act is not None and (plan.site is not None or
+                            _x_axes(plan.contraction) is None):
       problems.append((node, 'act= quantizes the input of a dot_general fed '
-                       'by the module input unchanged; this one is a '
-                       f'{plan.contraction.kind} or reshapes its input first'))
+                       'by the module input unchanged; '
+                       + (f'its kernel {plan.kernel_name!r} is contracted '
+                          'inside its body' if plan.site is not None else
+                          f'this one is a {plan.contraction.kind} or '
+                          'reshapes its input first')))
       continue
-    plans[id(node)] = plan
+    plans.setdefault(id(node), []).append(plan)
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
+    refused = list({id(n): n for n, _ in problems}.values())
     raise SubstitutionError(
-        f'quantize cannot quantize {len(problems)} of the '
+        f'quantize cannot quantize {len(refused)} of the '
         f'{len(chosen.targets)} module calls selected by '
         f'{chosen.description}:\n{lines}\n' + leave_out_hint(
-            [(n, False) for n, _ in problems], selection, chosen.targets))
+            [(n, False) for n in refused], selection, chosen.targets))
   # Every reader of a quantized kernel reads it quantized: another call
   # of the same module (Embed's lookup next to its attend) dequantizes the
   # same table; any other reader must be selected too.
   selected = {id(n) for n in chosen.targets}
-  readers = {}  # id -> (reader, plan, kernel index)
+  readers = {}  # id -> (reader, [(plan, kernel index), ...])
   holders = _contraction.kernel_holders(mox)
   for target in targets:
     node = target.node
@@ -344,24 +357,24 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
       if id(other) in selected:
         continue
       if other.path == node.path and other.module_ty is node.module_ty:
-        readers[id(other)] = (other, target.plan,
-                              other.var_inputs.index(kernel))
+        readers.setdefault(id(other), (other, []))[1].append(
+            (target.plan, other.var_inputs.index(kernel)))
         continue
       raise SubstitutionError(
           f'quantize: the kernel of {describe(node)} is also read by '
           f'{describe(other)}, which is not selected; quantize both or '
           'neither')
   if readers:
-    chosen = select([*chosen.targets, *(r for r, _, _ in readers.values())],
+    chosen = select([*chosen.targets, *(r for r, _ in readers.values())],
                     mox)
 
   def make(path, node):
     if id(node) in equations:
       return equations[id(node)]
     if id(node) in readers:
-      _, plan, index = readers[id(node)]
-      return _template(node, plan, weight, mode, None, index, tile)
-    return _template(node, plans[id(node)], weight, mode, act, None, tile)
+      return _template(node, readers[id(node)][1], weight, mode, None, tile)
+    return _template(node, [(p, None) for p in plans[id(node)]], weight,
+                     mode, act, tile)
 
   done = substitute(chosen, make, mox, retype=(mode == 'ptq'))
   paths = sorted({tuple(t.node.path) for t in targets})
