@@ -585,3 +585,35 @@ def test_expert_kernels_contracted_in_the_body_get_scales_per_expert(fmt):
   np.testing.assert_allclose(model.apply(merged, x),
                              yax.eval_mox(res.mox, trained, x),
                              rtol=1e-4, atol=1e-4)
+
+
+class _Stacked(nn.Module):
+  axis: int
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_Layer, variable_axes={'params': self.axis},
+                   split_rngs={'params': True}, length=3)
+    return scan(name='layers')(x, None)[0]
+
+
+@pytest.mark.parametrize('axis', [0, 1])
+def test_qlora_on_scanned_stacks_merges_to_float_kernels(axis):
+  # merge dequantizes each layer's slice with its own scales (stack on
+  # axis 1: moved back from the order the scan slices); failed before.
+  model = _Stacked(axis)
+  x = jax.random.normal(jax.random.key(0), (2, 6))
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  dense = '//module_call[@type="Dense"]'
+  q = yax.quantize(mox, variables, dense, weight='int8')
+  res = yax.lora(q.mox, q.params, dense, rank=2)
+  trained = jax.tree.map(lambda a: a, res.params)
+  layer = trained['params']['layers']['dense']
+  layer['lora_b'] = jax.random.normal(jax.random.key(2), layer['lora_b'].shape)
+  merged = res.merge(trained)
+  kernel = merged['params']['layers']['dense']['kernel']
+  assert kernel.dtype == jnp.float32
+  assert kernel.shape == variables['params']['layers']['dense']['kernel'].shape
+  np.testing.assert_allclose(model.apply(merged, x),
+                             yax.eval_mox(res.mox, trained, x), **TOL)
