@@ -426,7 +426,10 @@ class _Substitution:
             '(nn.scan, nn.remat, nn.jit ...) a replacement must take the '
             'arguments of the node it replaces')
       outputs = [self.rename(s) for s in body.outputs]
-      if self.retype:  # a retyped variable the body returns (NNX state)
+      # A retyped variable the body returns (an NNX remat's state), where
+      # the body's outputs are the equation's (remat, jit, scan, cond and
+      # while bodies; not a custom_vjp's backward pass).
+      if self.retype and len(body.outputs) == len(eqn.outputs):
         for j, (old, new) in enumerate(zip(body.outputs, outputs,
                                            strict=True)):
           if new is not old and new.aval is not None and \
