@@ -479,21 +479,22 @@ class _Layer(nn.Module):
     return nn.gelu(nn.Dense(6, name='dense')(x)), None
 
 
-class _StackedOnAxis1(nn.Module):
-  """Layers scanned with their params stacked on axis 1 (MaxText's
-  ``param_scan_axis=1``): a transpose moves the stack to the front before
-  the scan slices it."""
+class _Stacked(nn.Module):
+  """Three layers scanned with their params stacked on ``axis``; on axis 1
+  (MaxText's ``param_scan_axis=1``) a transpose moves the stack to the
+  front before the scan slices it."""
+  axis: int
 
   @nn.compact
   def __call__(self, x):
-    scan = nn.scan(_Layer, variable_axes={'params': 1},
+    scan = nn.scan(_Layer, variable_axes={'params': self.axis},
                    split_rngs={'params': True}, length=3)
     return scan(name='layers')(x, None)[0]
 
 
 @pytest.mark.parametrize('fmt', ['int8', 'int4', 'nf4'])
 def test_stack_moved_before_the_scan_is_stored_quantized_in_its_layout(fmt):
-  model = _StackedOnAxis1()
+  model = _Stacked(1)
   x = jax.random.normal(jax.random.key(0), (2, 6))
   variables = model.init(jax.random.key(1), x)
   kernel = variables['params']['layers']['dense']['kernel']
@@ -585,16 +586,6 @@ def test_expert_kernels_contracted_in_the_body_get_scales_per_expert(fmt):
   np.testing.assert_allclose(model.apply(merged, x),
                              yax.eval_mox(res.mox, trained, x),
                              rtol=1e-4, atol=1e-4)
-
-
-class _Stacked(nn.Module):
-  axis: int
-
-  @nn.compact
-  def __call__(self, x):
-    scan = nn.scan(_Layer, variable_axes={'params': self.axis},
-                   split_rngs={'params': True}, length=3)
-    return scan(name='layers')(x, None)[0]
 
 
 @pytest.mark.parametrize('axis', [0, 1])
