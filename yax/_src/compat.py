@@ -172,18 +172,3 @@ def scan_params_with_inputs(params, new_consts: int, new_xs: int) -> dict:
       (xs, _flattree.nones(new_xs)))))
 
 
-def linen_variable_names(scope) -> list[tuple[str, str]]:
-  """``(collection, name)`` of every variable a bound Linen module's scope
-  has reserved so far (``self.param``/``self.variable`` calls), submodule
-  scopes left out.
-
-  Why: a variable whose value is a dict looks, in ``module.variables``,
-  exactly like a submodule's scope; only the scope's reservations tell the
-  two apart. ``Scope.reservations`` (``flax.core.scope``) maps a name to
-  the collections it was reserved in, ``None`` for a submodule."""
-  reserved = getattr(scope, 'reservations', None)
-  if not reserved:
-    return []
-  return [(col, name) for name, cols in reserved.items() for col in cols
-          if col is not None]
-

@@ -8,6 +8,10 @@ Checks, for every node:
   not visible outside it (nor one of the outside inside it). Module calls
   are not scopes: their inputs and outputs are symbols of the enclosing one;
 * a symbol is defined once and read only after its definition;
+* **variables**: every module call is a variable scope, for every module
+  system and inside every body: a variable (a symbol some call lists among
+  its variable inputs) defined before a call starts and read under it is
+  among the call's inputs;
 * a module call's ``inputs`` are its ``var_tree`` leaves then its
   ``in_tree`` leaves, its ``outputs`` the leaves of ``out_tree``, and its
   outputs are defined by the time the call ends;
@@ -29,7 +33,6 @@ is reported as an ``InvariantError`` too (with the original as its cause).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.extend import core as jex
@@ -405,18 +408,24 @@ def _check_scopes(mox: Mox) -> None:
           f'{_where(node)} has {len(node.constvars)} constant symbols but '
           f'{len(node.consts)} constant values')
 
-  # The traced function's arguments (parameters among them): a Linen module
-  # call that reads one lists it among its inputs, as every call around it
-  # does.
-  arguments = {s for s in mox.inputs if not isinstance(s, Literal)}
+  # Every module call is a variable scope, whatever module system traced
+  # it and inside every body: a variable (a symbol some call lists among its
+  # variable inputs) that is defined before a call starts and read under it
+  # is among that call's inputs. (A variable computed inside the call, as a
+  # kernel tied to an embedding table, is the call's own work.)
+  variables = {s for node in _walk(mox) if isinstance(node, Mox)
+               for s in node.var_inputs if not isinstance(s, Literal)}
+  born: dict[Symbol, int] = {}
 
   def read_in(call, scope: _Scope, sym, node, what, path):
     read(scope, sym, node, what, path)
-    if call is not None and sym in arguments and sym not in call.inputs:
+    if call is None or sym not in variables or sym in call[1]:
+      return
+    if born.get(sym, -1) < call[2]:
       raise InvariantError(
-          f'{_where(node, path)} reads {what} {sym!r}, an argument of the '
-          f'traced function, inside {_where(call)}, which does not list it '
-          'among its inputs; a module call reads the variables it lists')
+          f'{_where(node, path)} reads {what} {sym!r}, a variable, inside '
+          f'{_where(call[0])}, which does not list it among its inputs; a '
+          'module call lists every variable its body reads')
 
   def walk(scope: _Scope, node, path, call=None):
     if isinstance(node, Equation):
@@ -436,25 +445,24 @@ def _check_scopes(mox: Mox) -> None:
         body_scope(body, scope, f'the body {key!r} of {_where(node, path)}')
       for s in node.outputs:
         define(scope, s, node, path)
+        born[s] = len(born)
       return
     check_counts(node)
     for i, s in enumerate(node.inputs):
       read_in(call, scope, s, node, f'input {i}', path)
-    # Linen calls: an NNX call may read an array attribute of its module
-    # (a root input that is no Variable) without listing it.
-    linen = isinstance(node.module_ty, type) and issubclass(
-        node.module_ty, nn.Module)
-    inner = node if linen and not node.is_ephemeral else call
+    inner = call if node.is_ephemeral else (node, set(node.inputs),
+                                            len(born))
     for child in node.children:
       walk(scope, child, node.path, inner)
     for i, s in enumerate(node.outputs):
-      read(scope, s, node, f'output {i}', path)
+      read_in(inner, scope, s, node, f'output {i}', path)
 
   def body_scope(root: Mox, outer: _Scope | None, owner: str):
     scope = _Scope(owner, outer)
     check_counts(root)
     for s in list(root.constvars) + list(root.inputs):
       define(scope, s, root, root.path)
+      born[s] = len(born)
     for child in root.children:
       walk(scope, child, root.path)
     for i, s in enumerate(root.outputs):

@@ -43,7 +43,7 @@ class CallRecord:
   method: str
   params: dict
   path: tuple
-  var_tree: Any  # the module's own variables (see ``own_variables``)
+  var_tree: Any  # every variable the module reaches
   in_tree: Any
   arg_statics: dict  # leaf position -> static value
   num_arg_leaves: int
@@ -58,10 +58,6 @@ class CallRecord:
   # root trace (not passed through the enter marker), or None for one that
   # the marker carries; None when the marker carries every variable.
   var_refs: tuple | None = None
-  # Linen variables whose values are dicts (known only once the call has
-  # reserved them): ``(collection, name, treedef, positions)``, each leaf a
-  # dynamic input of the root trace named by its position.
-  dict_vars: tuple = ()
 
 
 class CallId:
@@ -160,23 +156,12 @@ def is_module_method(name: str) -> bool:
                                     and name.endswith('__'))
 
 
-def root_positions(leaves) -> tuple | None:
-  """The positions among the root trace's dynamic inputs of ``leaves``,
-  when each is one and the root trace is the one running; else None."""
-  trace = active()[-1]
-  if not trace.roots or get_opaque_trace_state() != trace.state:
-    return None
-  found = tuple(trace.roots.get(id(x)) for x in leaves)
-  return None if None in found else found
-
-
 def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
-                args, kwargs, *, is_leaf=None, after=None):
+                args, kwargs, *, is_leaf=None):
   """Runs ``call(*args, **kwargs)`` between the boundary markers and
   returns its result. The call's record is the markers' ``call_id``
   parameter. Used for Linen calls (the interceptor above) and NNX calls
-  (``trace/nnx.py``, which passes ``is_leaf`` to keep graph nodes whole).
-  ``after(record)``, if given, runs when the call has returned."""
+  (``trace/nnx.py``, which passes ``is_leaf`` to keep graph nodes whole)."""
   var_refs = None
   trace = active()[-1]
   if var_leaves and trace.roots and get_opaque_trace_state() == trace.state:
@@ -213,8 +198,6 @@ def marked_call(module_ty, method, params, path, var_leaves, var_tree, call,
     # call has no exit, and the tree builder leaves it out with a warning.
     record.failed = type(e).__name__
     raise
-  if after is not None:  # what only the finished call knows
-    after(record)
 
   if isinstance(out, jax.core.Tracer):  # most calls: one array
     record.out_tree, record.num_out_leaves = _LEAF_TREE, 1

@@ -7,15 +7,14 @@ How it works, in three steps, all on public APIs:
    value of a JAX user context, so that JAX's caches neither serve this
    trace an entry made without markers nor keep one for later plain calls.
 2. The interceptor wraps every Flax method call in boundary markers
-   (see ``trace/markers.py``): ``yax_enter(*own_variables, *args)`` before the call
+   (see ``trace/markers.py``): ``yax_enter(*variables, *args)`` before the call
    and ``yax_exit(*outputs)`` after it, and records what the call was (module
    class, fields, path, argument and output trees) under a fresh call id.
 3. A small interpreter walks the Jaxpr, opening a ``module_call`` node at each
    enter marker and closing it at the matching exit marker. Markers are
    dropped; marker outputs become aliases of marker inputs, so a module call
    reads and writes the same symbols as the code around it. A call's
-   variables are its own and those of the calls inside it (in its scope);
-   bodies of equations become ``Equation.children``.
+   variables are those its module reaches that its body reads; bodies of equations become ``Equation.children``.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax._src.compat import linen_variable_names
 from yax._src.errors import TraceError, TraceWarning
 from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
@@ -98,40 +96,18 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
     # whatever arrays it computes stay in the caller's body.
     return next_fun(*args, **kwargs)
   path = tuple(module.path)
+  # Every variable the module reaches (its own, dict-valued ones included,
+  # and its submodules' scopes, as ``module.variables`` nests them) rides
+  # in the marker; the tree builder keeps those the call's body reads.
+  var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
   bridged = _nnx.bridged_class(module)
   if bridged is not None:
     # Flax's ToLinen: an NNX model built and run inside this call, its
     # whole state in this module's variables (nested dicts are the NNX
     # attribute paths, not submodule scopes: ToLinen has no submodules).
-    var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
     next_fun = _nnx.bridged(path, bridged, next_fun)
-  else:
-    var_leaves, var_tree = tree_flatten(own_variables(module))
   return marked_call(type(module), context.method_name, module_fields(module),
-                     path, var_leaves, var_tree, next_fun, args, kwargs,
-                     after=None if bridged is not None else
-                     lambda record: _dict_variables(record, module))
-
-
-def _dict_variables(record: CallRecord, module: nn.Module) -> None:
-  """Records the module's variables whose values are dicts, which
-  ``own_variables`` could not tell from submodule scopes before the call:
-  the call has reserved them now. Each leaf must be a root input (a
-  parameter passed to the traced function); others stay unlisted."""
-  found = []
-  variables = None
-  for col, name in linen_variable_names(module.scope):
-    if variables is None:
-      variables = module.variables
-    value = variables.get(col, {}).get(name)
-    if not isinstance(value, Mapping):
-      continue
-    leaves, tree = tree_flatten(value)
-    refs = _calls.root_positions(leaves)
-    if leaves and refs is not None:
-      found.append((col, name, tree, refs))
-  if found:
-    record.dict_vars = tuple(found)
+                     path, var_leaves, var_tree, next_fun, args, kwargs)
 
 
 def _traced_only(tree):
@@ -159,27 +135,6 @@ def _traced_only(tree):
 _trace_context = jax.make_user_context(default_value=None)
 _WITH_MARKERS = 'yax: module call markers'
 
-
-
-def own_variables(module: nn.Module) -> dict:
-  """The module's own variables: those not in the scope of a submodule.
-
-  ``module.variables`` holds, per collection, the module's variables and
-  one nested dict per submodule scope; the nested dicts are left out (the
-  tree builder gives each module call its submodules' variables from the
-  calls it contains). Only arrays and tracers count: Python values stored
-  in a collection are not traced. A variable whose value is itself a dict
-  is indistinguishable from a submodule scope here and is left out as well:
-  the call records it when it returns (``_dict_variables``).
-  """
-  own = {}
-  for col, values in module.variables.items():
-    mine = {k: v for k, v in values.items()
-            if not isinstance(v, Mapping) and all(
-                map(is_traced_value, jax.tree_util.tree_leaves(v)))}
-    if mine:
-      own[col] = mine
-  return own
 
 
 # ------------------------------------------------------------ make_mox
@@ -358,6 +313,21 @@ def _is_symbol(x) -> bool:
   return isinstance(x, Symbol)
 
 
+def _read_part(tree, reads: set):
+  """The nested dicts of ``tree`` (Linen collections and scopes, symbols
+  at the leaves, boxes such as ``nn.Partitioned`` kept whole) with only
+  the variables whose symbols are all in ``reads``; empty dicts dropped."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      value = _read_part(value, reads)
+      if value:
+        out[key] = value
+    elif all(s in reads for s in _symbols(value)):
+      out[key] = value
+  return out
+
+
 def _symbols(tree) -> list:
   if isinstance(tree, Symbol):  # most variables: one symbol, no tree walk
     return [tree]
@@ -380,16 +350,6 @@ class _Frame:
   var_inputs: list
   arg_inputs: list
   children: list
-  start: int = 0  # symbols bound from here on are defined inside the call
-  # Variables of calls left out of the tree (see ``_Builder.dissolve``)
-  # whose equations now sit in this frame's body.
-  reach: dict = dataclasses.field(default_factory=dict)
-
-
-# Variables a node reaches: (collection, *module path) -> that module's own
-# variables there ({name: symbol tree}), for the node and every module call
-# under it (through bodies, as the symbols the node's scope sees).
-Reach = dict
 
 
 class _Builder:
@@ -400,19 +360,11 @@ class _Builder:
     # The root's dynamic inputs while its body is built (``var_refs`` of
     # the calls in it point there); None while building any other body.
     self.roots: list | None = None
-    self.order: dict[Symbol, int] = {}  # definition order of every symbol
-    self.reach: dict[Any, Reach] = {}  # per Mox / Equation built
     # Calls seen but not recorded as nodes -> why (one warning each).
     self.left_out: dict[CallRecord, str] = {}
-    # The output of each transpose -> its operand: a stacked param whose
-    # stack axis Flax's nn.scan moves to the front (variable_axes={'params':
-    # 1}) before the scan slices it (see ``_reach_through``).
-    self.transposed: dict[Symbol, Symbol] = {}
-
   def bind(self, v) -> Var:
     sym = Var(v.aval, dropped=isinstance(v, _lower.JaxDropVar))
     self.env[v] = sym
-    self.order[sym] = len(self.order)
     return sym
 
   def read(self, v) -> Symbol:
@@ -425,7 +377,7 @@ class _Builder:
     stack = [root]
     body = root.children
     enter_p, exit_p = _markers.enter_p, _markers.exit_p
-    env, order, read = self.env, self.order, self.read
+    env, read = self.env, self.read
     taking, body_params, drop = Equation._taking, _lower.body_params, \
         _lower.JaxDropVar
     for eqn in jaxpr.eqns:
@@ -439,8 +391,7 @@ class _Builder:
         var_inputs = ins[:n]
         if record.var_refs is not None:
           var_inputs = self._referenced(record, var_inputs)
-        stack.append(_Frame(record, record, var_inputs, ins[n:], [],
-                            len(order)))
+        stack.append(_Frame(record, record, var_inputs, ins[n:], []))
         body = stack[-1].children
       elif prim is exit_p:
         outs = [read(v) for v in eqn.invars]
@@ -470,12 +421,9 @@ class _Builder:
         for v in eqn.outvars:
           sym = Var(v.aval, dropped=isinstance(v, drop))
           env[v] = sym
-          order[sym] = len(order)
           outputs.append(sym)
         body.append(taking(prim, inputs, outputs, eqn.params, eqn.effects,
                            eqn.source_info, eqn.ctx))
-        if prim.name == 'transpose' and not isinstance(inputs[0], Literal):
-          self.transposed[outputs[0]] = inputs[0]
     while len(stack) > 1:  # no exit here: an exception, or another trace
       self.dissolve(stack)
     return root.children
@@ -512,14 +460,7 @@ class _Builder:
     frame = stack.pop()
     parent = stack[-1]
     parent.children.extend(frame.children)
-    for key, values in frame.reach.items():
-      parent.reach.setdefault(key, {}).update(values)
-    rec = frame.record
-    own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if isinstance(own, Mapping) and not is_variable_treedef(rec.var_tree):
-      for col, values in own.items():
-        parent.reach.setdefault((col, *rec.path), {}).update(values)
-    self.leave_out(rec)
+    self.leave_out(frame.record)
 
   def _module_call(self, frame: _Frame, dyn_outs) -> Mox:
     rec = frame.record
@@ -532,63 +473,28 @@ class _Builder:
       outs = iter(out_syms)
       out_syms = [Literal(rec.out_statics[i]) if i in rec.out_statics
                   else next(outs) for i in range(rec.num_out_leaves)]
-    var_inputs, var_tree, reach = self._variables(frame)
+    var_inputs, var_tree = self._variables(frame, out_syms)
     mox = Mox(var_inputs + arg_syms, out_syms, dict(rec.params),
               children=frame.children, module_ty=rec.module_ty,
               entrypoint=rec.method, path=rec.path, in_tree=rec.in_tree,
               out_tree=rec.out_tree, var_tree=var_tree)
-    self.reach[mox] = reach
     return mox
 
-  def _variables(self, frame: _Frame):
-    """The call's variables: its own, and those of the calls inside it that
-    live in its scope and are defined before it starts (a kernel computed
-    inside the call, as for a tied head, is not a variable of the call)."""
+  def _variables(self, frame: _Frame, outs: list):
+    """The call's variables: of those its marker carried (every variable
+    its module reaches), the ones its body reads, directly or through the
+    calls and equations in it, or returns. One rule for every module
+    system; a variable computed inside the call (a kernel tied to an
+    embedding table, a param created by ``init``) is not carried."""
     rec = frame.record
+    reads = {s for child in frame.children for s in child.inputs}
+    reads.update(outs)
     if is_variable_treedef(rec.var_tree):
-      # NNX: the marker carried every variable the module can reach; the
-      # call's are those its body reads (directly, or through the calls
-      # and equations in it).
-      reads = {s for child in frame.children for s in child.inputs}
-      leaves, var_tree = _nnx.read_only(rec.var_tree, frame.var_inputs, reads)
-      return leaves, var_tree, {}
-    own = tree_unflatten(rec.var_tree, frame.var_inputs)
-    if rec.dict_vars and self.roots is not None:
-      own = {col: dict(values) for col, values in own.items()}
-      for col, name, tree, refs in rec.dict_vars:
-        own.setdefault(col, {})[name] = tree_unflatten(
-            tree, [self.roots[r] for r in refs])
-    reach = self._reach_children(frame.children)
-    for key, values in frame.reach.items():
-      reach.setdefault(key, {}).update(
-          {k: v for k, v in values.items() if k not in reach[key]})
-    for col, values in own.items():
-      reach[(col, *rec.path)] = values
-    n = len(rec.path)
-    tree: dict = {}
-    order, start = self.order.get, frame.start
-    for (col, *path), values in sorted(reach.items(), key=lambda kv: len(kv[0])):
-      if tuple(path[:n]) != rec.path:
-        continue
-      kept = {k: v for k, v in values.items()
-              if (order(v, -1) < start if isinstance(v, Symbol) else
-                  all(order(s, -1) < start for s in _symbols(v)))}
-      if not kept:
-        continue
-      node = tree.setdefault(col, {})
-      for key in path[n:]:
-        node = node.setdefault(key, {})
-      node.update(kept)
-    leaves, var_tree = tree_flatten(tree, is_leaf=lambda x: isinstance(x, Symbol))
-    return leaves, var_tree, reach
-
-  def _reach_children(self, children) -> Reach:
-    reach: Reach = {}
-    for child in children:
-      for key, values in self.reach.get(child, {}).items():
-        reach.setdefault(key, {}).update(
-            {k: v for k, v in values.items() if k not in reach.get(key, {})})
-    return reach
+      return _nnx.read_only(rec.var_tree, frame.var_inputs, reads)
+    if all(sym in reads for sym in frame.var_inputs):
+      return list(frame.var_inputs), rec.var_tree
+    kept = _read_part(tree_unflatten(rec.var_tree, frame.var_inputs), reads)
+    return tree_flatten(kept, is_leaf=_is_symbol)
 
   def equation(self, eqn, found: list) -> Equation:
     """An equation whose parameters hold Jaxprs (``found``, as
@@ -611,30 +517,7 @@ class _Builder:
     built = Equation(eqn.primitive, inputs, outputs, params, children=bodies,
                      body_keys=keys, body_forms=forms, effects=eqn.effects,
                      source_info=eqn.source_info, ctx=eqn.ctx)
-    if bodies:
-      self.reach[built] = self._reach_through(built)
     return built
-
-  def _reach_through(self, eqn: Equation) -> Reach:
-    """Variables of module calls in the bodies, as the symbols outside: a
-    body input stands for the equation input it receives; variables
-    computed inside a body are not variables of anything outside it."""
-    reach: Reach = {}
-    for index, body in enumerate(eqn.children):
-      sources = _rules.body_input_sources(eqn, index)
-      if eqn.prim.name == 'scan':
-        # A scanned param moved to stack on axis 0 by a transpose is that
-        # param: the call around the scan reads it, as stored.
-        sources = [self.transposed.get(s, s) for s in sources]
-      outer = dict(zip(body.inputs, sources, strict=True))
-      for key, values in self._reach_children(body.children).items():
-        for k, v in values.items():
-          syms = _symbols(v)
-          if k in reach.get(key, {}) or not all(s in outer for s in syms):
-            continue
-          reach.setdefault(key, {})[k] = jax.tree_util.tree_map(
-              lambda s: outer[s], v, is_leaf=lambda x: isinstance(x, Symbol))
-    return reach
 
   def subtree(self, jaxpr_like) -> Mox:
     """An ephemeral node for a Jaxpr held in an equation's parameters."""
