@@ -38,6 +38,7 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var
 from yax._src.ir.variables import is_variable_treedef
 from yax._src.trace import calls as _calls
+from yax._src.trace import equinox as _eqx
 from yax._src.trace import markers as _markers
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.calls import CallRecord, is_traced_value, marked_call
@@ -166,7 +167,11 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
     # NNX graph nodes among the arguments are split as nnx.split does.
     nnx_scope = _nnx.TraceScope(args, kwargs)
     leaves, in_tree = nnx_scope.leaves, nnx_scope.in_tree
-    dyn = [i for i, x in enumerate(leaves) if is_dynamic_arg(x)]
+    # Equinox modules: their leaves that are not arrays are static.
+    static = set() if nnx_scope.has_nodes else _eqx.static_leaves(
+        (args, kwargs))
+    dyn = [i for i, x in enumerate(leaves)
+           if is_dynamic_arg(x) and i not in static]
     out_info = {}
 
     this = _calls.Trace()
@@ -179,7 +184,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
       with nn.intercept_methods(functools.partial(_interceptor, this)), \
-          nnx_scope:
+          nnx_scope, _eqx.tracing(a, k):
         out = _calls.call_with_stack_room(nnx_scope.call, (fn, a, k), {})
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
