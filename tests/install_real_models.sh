@@ -78,6 +78,11 @@ if [ "$PY_MINOR" -ge 12 ]; then
     "maxtext==0.2.5"
     "tokamax==0.0.15"
     "xprof==2.24.2"
+    # Equinox model code (tests/real/test_equinox.py; eqx-zoo needs
+    # Python >= 3.12, equimo 2.7.0 jax >= 0.11.1)
+    "eqx-zoo==0.3.5"
+    "esm2quinox==0.2.0"
+    "equimo==2.7.0"
   )
   WITH_DEPS+=(
     # gemma 4
@@ -96,6 +101,14 @@ if [ "$PY_MINOR" -ge 12 ]; then
     "drjax==0.2.1"
     "tiktoken==0.14.0"
     "sympy==1.14.0"
+    # what eqx-zoo, esm2quinox and equimo import
+    "equinox==0.13.8"
+    "safetensors"
+    "huggingface-hub"
+    "banax==0.1.5"
+    "loguru==0.7.3"
+    "lz4==4.4.5"
+    "requests"
   )
 else
   NO_DEPS=(

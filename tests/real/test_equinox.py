@@ -1,0 +1,234 @@
+"""Equinox models: ``eqx.nn``'s own layers and eqx-zoo's Qwen 3 MoE causal LM
+(a tiny config, random weights, nothing downloaded).
+
+Each check compares YAX with the model's own forward pass (or JAX run on it
+by hand) on the same inputs: module calls at pytree paths, exact replay,
+Equinox transforms (``filter_jit``, ``filter_vmap``, ``filter_grad``,
+``filter_checkpoint``, a ``lax.scan`` over a stack of layers), ``eqx.nn.State``
+returned by ``eval_mox``, and the rewrites that work on Equinox today
+(``cast``, ``remat``, ``fewbit``, the summary's parameter totals). ``lora`` and
+``quantize`` refuse an Equinox model (they cannot add variables to a module
+yet): the refusal is checked.
+
+Install eqx-zoo with ``bash tests/install_real_models.sh`` (Python >= 3.12).
+When it is missing the eqx-zoo tests fail if ``CI`` is set, and are skipped
+with the reason otherwise.
+"""
+
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+
+INSTALL = 'bash tests/install_real_models.sh'
+
+
+def _in_ci() -> bool:
+  return os.environ.get('CI', '').strip().lower() not in ('', '0', 'false', 'no')
+
+
+def _calls(mox):
+  return [(c.type_name, '/'.join(c.path))
+          for c in yax.query('//module_call', mox) if c.type_name]
+
+
+def _trace(fn, *args):
+  mox = yax.make_mox(fn)(*args)
+  yax.check_mox(mox)
+  return mox
+
+
+# ---------------------------------------------------------------- eqx.nn
+
+def _mlp():
+  return eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+
+
+def test_every_module_call_at_its_pytree_path():
+  model, x = _mlp(), jnp.arange(3.0)
+  mox = _trace(lambda m, x: m(x), model, x)
+  assert _calls(mox) == [('MLP', ''), ('Linear', 'layers/0'),
+                         ('Linear', 'layers/1'), ('Linear', 'layers/2')]
+  linear = yax.query('//module_call[@path="layers/1"]', mox)[0]
+  assert linear.params['in_features'] == 8
+  assert linear.params['use_bias'] is True
+  # Its variables are its arrays, as the traced arguments hold them.
+  args = jax.tree_util.tree_leaves((model, x))
+  by_value = {id(a): s for a, s in zip(args, mox.inputs, strict=True)
+              if isinstance(s, yax.Var)}
+  assert set(linear.var_inputs) == {by_value[id(model.layers[1].weight)],
+                                    by_value[id(model.layers[1].bias)]}
+  np.testing.assert_array_equal(yax.eval_mox(mox, model, x), model(x))
+
+
+@pytest.mark.parametrize('transform', ['filter_jit', 'filter_vmap',
+                                       'filter_checkpoint'])
+def test_module_calls_under_equinox_transforms(transform):
+  model, x = _mlp(), jnp.arange(6.0).reshape(2, 3)
+  if transform == 'filter_vmap':
+    fn = lambda m, x: eqx.filter_vmap(m)(x)
+  else:
+    fn = getattr(eqx, transform)(lambda m, x: jax.vmap(m)(x))
+  mox = _trace(fn, model, x)
+  assert [p for _, p in _calls(mox)] == ['', 'layers/0', 'layers/1',
+                                         'layers/2']
+  np.testing.assert_array_equal(yax.eval_mox(mox, model, x),
+                                jax.vmap(model)(x))
+
+
+def test_filter_grad_of_a_loss():
+  model, x = _mlp(), jnp.arange(3.0)
+  loss = lambda m, x: jnp.sum(m(x) ** 2)
+  mox = _trace(lambda m, x: eqx.filter_grad(loss)(m, x), model, x)
+  assert [p for _, p in _calls(mox)][:2] == ['', 'layers/0']
+  got = yax.eval_mox(mox, model, x)
+  want = eqx.filter_grad(loss)(model, x)
+  for a, b in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+class _Block(eqx.Module):
+  linear: eqx.nn.Linear
+
+  def __init__(self, key):
+    self.linear = eqx.nn.Linear(4, 4, key=key)
+
+  def __call__(self, x):
+    return jnp.tanh(self.linear(x))
+
+
+class _Stack(eqx.Module):
+  """Layers built by ``filter_vmap`` of a constructor, run by a scan."""
+  layers: _Block
+
+  def __init__(self, key):
+    self.layers = eqx.filter_vmap(_Block)(jax.random.split(key, 3))
+
+  def __call__(self, x):
+    dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+    def step(h, layer):
+      return eqx.combine(layer, static)(h), None
+
+    return jax.lax.scan(step, x, dynamic)[0]
+
+
+def test_scan_over_stacked_modules():
+  model, x = _Stack(jax.random.key(1)), jnp.arange(4.0)
+  mox = _trace(lambda m, x: m(x), model, x)
+  assert _calls(mox) == [('_Stack', ''), ('_Block', 'layers'),
+                         ('Linear', 'layers/linear')]
+  h = x  # by hand: each layer of the stack in turn
+  w, b = model.layers.linear.weight, model.layers.linear.bias
+  for i in range(3):
+    h = jnp.tanh(w[i] @ h + b[i])
+  np.testing.assert_allclose(yax.eval_mox(mox, model, x), h, rtol=1e-6)
+
+
+def test_state_and_static_fields():
+  # BatchNorm's running statistics flow back as an eqx.nn.State; Dropout's
+  # p is a Python float in a module: static, an attribute of its call.
+  model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, 'batch')
+  drop = eqx.nn.Dropout(0.5, inference=True)
+  x = jnp.arange(8.0).reshape(2, 4)
+
+  def fn(model, drop, state, x):
+    y, state = jax.vmap(model, axis_name='batch', in_axes=(0, None),
+                        out_axes=(0, None))(x, state)
+    return drop(y), state
+
+  mox = _trace(fn, model, drop, state, x)
+  assert ('Dropout', '1') in _calls(mox)
+  assert yax.query('//module_call[@type="Dropout"]', mox)[0].params['p'] == 0.5
+  got, got_state = yax.eval_mox(mox, model, drop, state, x)
+  want, want_state = fn(model, drop, state, x)
+  assert isinstance(got_state, eqx.nn.State)
+  np.testing.assert_array_equal(got, want)
+  for a, b in zip(jax.tree_util.tree_leaves(got_state),
+                  jax.tree_util.tree_leaves(want_state), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- eqx-zoo
+
+@pytest.fixture(scope='module')
+def qwen3_moe():
+  try:
+    import eqx_zoo
+  except ImportError as e:
+    msg = f'eqx-zoo is not installed ({e}); run: {INSTALL}'
+    if _in_ci():
+      pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+  cfg = eqx_zoo.Config(
+      architecture='Qwen3MoeForCausalLM', vocab_size=64, hidden_size=32,
+      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+      tie_word_embeddings=False, attention_bias=False, qk_norm=True,
+      rope_scaling=None, num_experts=4, num_experts_per_tok=2,
+      moe_intermediate_size=16, moe_layers=(0, 1))
+  model = eqx_zoo.CausalLM(cfg, key=jax.random.key(0))
+  ids = jnp.arange(8) % 64
+  fn = lambda m, ids: m(ids)[0]
+  return model, ids, fn, _trace(fn, model, ids)
+
+
+def test_qwen3_moe_traces_and_replays_exactly(qwen3_moe):
+  model, ids, fn, mox = qwen3_moe
+  calls = _calls(mox)
+  assert calls[:3] == [('CausalLM', ''), ('DecoderModel', 'model'),
+                       ('DecoderLayer', 'model/layers/0')]
+  for i in range(2):  # per layer, from the config: 5 projections, 4 norms
+    inside = [t for t, p in calls if p.startswith(f'model/layers/{i}/')]
+    assert inside.count('Linear') == 5 and inside.count('RMSNorm') == 4
+    assert inside.count('SparseMoE') == 1
+  np.testing.assert_array_equal(yax.eval_mox(mox, model, ids), fn(model, ids))
+
+
+def test_qwen3_moe_summary_counts_every_parameter(qwen3_moe):
+  model, _, _, mox = qwen3_moe
+  rows = yax.summary(mox)
+  by_hand = sum(x.size for x in jax.tree_util.tree_leaves(model)
+                if eqx.is_inexact_array(x))
+  assert rows[0].path == '' and rows[0].params == by_hand
+
+
+def test_qwen3_moe_rewrites(qwen3_moe):
+  model, ids, fn, mox = qwen3_moe
+  want = fn(model, ids)
+  # remat: the same values, and the same gradient.
+  remat = yax.remat(mox, '//module_call[@type="DecoderLayer"]')
+  yax.check_mox(remat)
+  np.testing.assert_array_equal(yax.eval_mox(remat, model, ids), want)
+  loss = lambda f: lambda m: jnp.sum(f(m) ** 2)
+  g = eqx.filter_grad(loss(lambda m: yax.eval_mox(remat, m, ids)))(model)
+  g_want = eqx.filter_grad(loss(lambda m: fn(m, ids)))(model)
+  for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(
+      g_want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # cast: the projections in bfloat16, within bfloat16 error.
+  cast = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16')
+  yax.check_mox(cast)
+  got = yax.eval_mox(cast, model, ids)
+  assert got.dtype == want.dtype
+  np.testing.assert_allclose(got, want, atol=0.05 * float(jnp.abs(want).max()))
+  # fewbit: the model's SiLUs become FewBit calls, forward unchanged.
+  few = yax.fewbit(mox)
+  yax.check_mox(few)
+  assert yax.query('//module_call[@type="FewBit"]', few)
+  np.testing.assert_allclose(yax.eval_mox(few, model, ids), want, rtol=1e-5,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize('tool', ['lora', 'quantize'])
+def test_qwen3_moe_tools_that_add_variables_refuse(qwen3_moe, tool):
+  # Not supported yet: the new variables would be new fields of a module.
+  model, _, _, mox = qwen3_moe
+  with pytest.raises(yax.SubstitutionError, match='is a CausalLM'):
+    getattr(yax, tool)(mox, model, '//module_call[@type="Linear"]')
