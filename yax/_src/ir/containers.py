@@ -43,6 +43,29 @@ def register_mapping(cls: type, build: Builder) -> None:
   _BUILDERS[cls] = build
 
 
+# Records: objects whose named fields hold the params (Equinox modules),
+# registered by the frontend that knows them: ``(is_record, items, build)``,
+# ``items(record) -> dict`` and ``build(like, items) -> record``.
+_RECORDS: list[tuple[Callable, Callable, Callable]] = []
+
+
+def register_record(is_record: Callable, items: Callable,
+                    build: Callable) -> None:
+  """Registers a kind of object whose fields hold params (an Equinox
+  module): ``items(record)`` gives its fields as a dict and
+  ``build(like, items)`` a record like ``like`` holding exactly ``items``
+  (new fields included)."""
+  _RECORDS.append((is_record, items, build))
+
+
+def _record(tree):
+  """``(items, build)`` of a registered record, else None."""
+  for is_record, items, build in _RECORDS:
+    if is_record(tree):
+      return items, build
+  return None
+
+
 def _keystr(keys: Sequence) -> str:
   return ''.join(f'[{k!r}]' for k in keys)
 
@@ -112,6 +135,16 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
     return type(tree)(items)
   if tree is None:
     tree = {}
+  record = _record(tree)
+  if record is not None:
+    items = record[0](tree)
+    key = same_key(items, key)
+    if key not in items and rest:
+      raise SubstitutionError(
+          f'cannot set {_keystr((*_done, key))} in the argument tree: '
+          f'{type(tree).__name__} has no field {key!r}')
+    items[key] = set_in(items.get(key), rest, value, _done=(*_done, key))
+    return record[1](tree, items)
   if isinstance(tree, Mapping):
     key = same_key(tree, key)
     here = (*_done, key)
@@ -161,6 +194,14 @@ def same_key(tree: Mapping, key):
 def get_in(tree, keys: Sequence, *, what: str = 'params') -> Any:
   """``tree[k0][k1]...``; a missing key raises ``SubstitutionError``."""
   for i, key in enumerate(keys):
+    record = _record(tree)
+    if record is not None:
+      tree = record[0](tree)
+    elif isinstance(tree, (tuple, list)) and (
+        isinstance(key, int) or (isinstance(key, str) and key.isdigit())) \
+        and 0 <= int(key) < len(tree):
+      tree = tree[int(key)]  # a step into a sequence (``layers/0``)
+      continue
     if isinstance(tree, Mapping):
       key = same_key(tree, key)
     if not isinstance(tree, Mapping) or key not in tree:
@@ -174,5 +215,10 @@ def get_in(tree, keys: Sequence, *, what: str = 'params') -> Any:
 
 
 def without(tree: Mapping, names: Sequence) -> Mapping:
-  """A copy of the Mapping ``tree`` without the entries ``names``."""
+  """A copy of the Mapping (or registered record) ``tree`` without the
+  entries ``names``."""
+  record = _record(tree)
+  if record is not None:
+    return record[1](tree, {k: v for k, v in record[0](tree).items()
+                            if k not in names})
   return rebuild(tree, {k: v for k, v in tree.items() if k not in names})

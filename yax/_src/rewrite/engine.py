@@ -39,6 +39,7 @@ from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
 from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name, location,
                                    unboxed_path, var_entries, var_keys,
                                    var_kind, with_variables)
+from yax._src.trace import equinox as _eqx
 from yax._src.trace import nnx as _nnx
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
@@ -770,6 +771,8 @@ class _Substitution:
     in_tree = root.in_tree
     if frame.new_vars or frame.new_args or frame.named:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
+      # NNX-encoded variables in an Equinox model are plain arrays there.
+      boxed = not _eqx.holds_modules(placeholders)
       seen = set()
       for loc, sym in frame.new_vars:
         if loc in seen:
@@ -777,7 +780,7 @@ class _Substitution:
         seen.add(loc)
         prefix = self.collection_prefix(loc[0])
         value = sym
-        if loc[0] == NNX_GROUP:  # a Variable of its type in the NNX state
+        if loc[0] == NNX_GROUP and boxed:  # a Variable of its type in the NNX state
           value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
         placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:

@@ -609,8 +609,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     is_a = loc[-1] == plan.names[0]
     value = _adapter_value(unboxed(kernel), plan, is_a, shape, dtype, rng)
     # A Linen box (a bridged NNX model's params, ToLinen): the adapter too.
+    # (An Equinox model's kernel is a plain array, and so are its adapters.)
     box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP and not
-                       isinstance(kernel, nn.meta.AxisMetadata))
+                       isinstance(kernel, (nn.meta.AxisMetadata, jax.Array)))
     value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 from jax import tree_util as jtu
 
+from yax._src.errors import YaxError
+from yax._src.ir import containers as _containers
 from yax._src.ir.variables import key_name, variable_treedef
 from yax._src.trace.calls import is_traced_value, marked_call
 
@@ -333,3 +335,66 @@ def _leaf_order(treedef) -> tuple[int, ...]:
   return tuple(position[_keys(kp)]
                for kp, _ in jtu.tree_flatten_with_path(tree)[0])
 
+
+
+# ------------------------------------------------- new variables of a model
+
+def holds_modules(tree) -> bool:
+  """Whether ``tree`` (the traced arguments) holds an Equinox module: new
+  variables then go into modules as plain arrays, not NNX Variables."""
+  return eqx is not None and any(
+      is_module(x) for x in jtu.tree_leaves(tree, is_leaf=is_module))
+
+
+_EXTENDED: dict[tuple, type] = {}
+
+
+def _base_class(cls: type) -> type:
+  return getattr(cls, '_yax_base', cls)
+
+
+def extended_class(base: type, names: tuple) -> type:
+  """The module class YAX makes for ``base`` with the new array fields
+  ``names`` (LoRA adapters, a quantized kernel's scale): a subclass, named
+  ``<Base>WithVariables``, whose instances flatten as ``base`` does and then
+  the new fields, so ``eqx.partition``/``eqx.filter`` see them as arrays.
+  Its methods are ``base``'s (YAX runs the rewritten tree, not them)."""
+  key = (base, names)
+  cls = _EXTENDED.get(key)
+  if cls is None:
+    namespace = {
+        '__annotations__': {name: Any for name in names},
+        '__module__': __name__, '_yax_base': base,
+        '__doc__': f'{base.__name__} with the variables {", ".join(names)} '
+                   'a YAX rewrite added.',
+        **{name: dataclasses.field(default=None) for name in names}}
+    cls = _EXTENDED[key] = type(base)(f'{base.__name__}WithVariables',
+                                      (base,), namespace)
+  return cls
+
+
+def _fields(module) -> dict:
+  return {f.name: getattr(module, f.name)
+          for f in dataclasses.fields(module)}
+
+
+def _rebuild(like, items: dict):
+  """A module of ``like``'s class (or of its YAX-extended class when
+  ``items`` has fields the class lacks; back to the original class when
+  they are all gone) holding exactly ``items``."""
+  base = _base_class(type(like))
+  known = {f.name for f in dataclasses.fields(base)}
+  missing = known - set(items)
+  if missing:
+    raise YaxError(f'cannot rebuild a {base.__name__} without its fields '
+                   f'{sorted(missing)}')
+  extra = tuple(sorted(set(items) - known))
+  cls = extended_class(base, extra) if extra else base
+  module = object.__new__(cls)
+  for name in [f.name for f in dataclasses.fields(cls)]:
+    object.__setattr__(module, name, items.get(name))
+  return module
+
+
+if eqx is not None:
+  _containers.register_record(is_module, _fields, _rebuild)
