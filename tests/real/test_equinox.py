@@ -6,15 +6,16 @@ by hand) on the same inputs: module calls at pytree paths, exact replay,
 Equinox transforms (``filter_jit``, ``filter_vmap``, ``filter_grad``,
 ``filter_checkpoint``, a ``lax.scan`` over a stack of layers), ``eqx.nn.State``
 returned by ``eval_mox``, and the rewrites that work on Equinox today
-(``cast``, ``remat``, ``fewbit``, the summary's parameter totals). ``lora`` and
-``quantize`` refuse an Equinox model (they cannot add variables to a module
-yet): the refusal is checked.
+(``lora`` with ``merge`` back to the model's own classes, int8 ``quantize``
+against the model run on its dequantized kernels, ``cast``, ``remat``,
+``fewbit``, the summary's parameter totals).
 
 Install eqx-zoo with ``bash tests/install_real_models.sh`` (Python >= 3.12).
 When it is missing the eqx-zoo tests fail if ``CI`` is set, and are skipped
 with the reason otherwise.
 """
 
+import functools
 import os
 
 import equinox as eqx
@@ -134,7 +135,8 @@ def test_scan_over_stacked_modules():
 def test_state_and_static_fields():
   # BatchNorm's running statistics flow back as an eqx.nn.State; Dropout's
   # p is a Python float in a module: static, an attribute of its call.
-  model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, 'batch')
+  model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, 'batch',
+                                                        mode='batch')
   drop = eqx.nn.Dropout(0.5, inference=True)
   x = jnp.arange(8.0).reshape(2, 4)
 
@@ -226,9 +228,66 @@ def test_qwen3_moe_rewrites(qwen3_moe):
                              atol=1e-6)
 
 
-@pytest.mark.parametrize('tool', ['lora', 'quantize'])
-def test_qwen3_moe_tools_that_add_variables_refuse(qwen3_moe, tool):
-  # Not supported yet: the new variables would be new fields of a module.
-  model, _, _, mox = qwen3_moe
-  with pytest.raises(yax.SubstitutionError, match='is a CausalLM'):
-    getattr(yax, tool)(mox, model, '//module_call[@type="Linear"]')
+def _lora_and_merge(mox, model, run, selection):
+  res = yax.lora(mox, model, selection, rank=2, key=jax.random.key(3))
+  yax.check_mox(res.mox)
+  # At init (B = 0) the adapted model computes what the model computes.
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, *run),
+                             yax.eval_mox(mox, model, *run), atol=1e-6)
+  # "Trained" adapters: B nonzero; merged, the model of the original
+  # classes computes what the adapted tree does.
+  trained = jax.tree_util.tree_map(
+      lambda a: a + 0.01 if eqx.is_inexact_array(a) else a, res.params)
+  merged = res.merge(trained)
+  assert jax.tree_util.tree_structure(merged) == \
+      jax.tree_util.tree_structure(model)
+  return res, trained, merged
+
+
+def _dequantized(res, model):
+  """``model`` with each kernel that ``res`` quantized replaced, by hand,
+  by its int8 values times their scales."""
+  out = model
+  for kp, leaf in jax.tree_util.tree_flatten_with_path(res.params)[0]:
+    if getattr(leaf, 'dtype', None) != jnp.int8:
+      continue
+    holder = res.params
+    for k in kp[:-1]:
+      holder = holder[k.idx] if hasattr(k, 'idx') else getattr(holder, k.name)
+    scale = getattr(holder, f'{kp[-1].name}_scale')
+    where = lambda m, kp=kp: functools.reduce(
+        lambda h, k: h[k.idx] if hasattr(k, 'idx') else getattr(h, k.name),
+        kp, m)
+    out = eqx.tree_at(where, out, leaf.astype(jnp.float32) * scale)
+  return out
+
+
+def test_lora_merge_and_quantize_on_eqx_nn():
+  model, x = _mlp(), jnp.arange(3.0)
+  mox = _trace(lambda m, x: m(x), model, x)
+  res, trained, merged = _lora_and_merge(mox, model, (x,),
+                                         '//module_call[@type="Linear"]')
+  assert type(res.params.layers[0]).__name__ == 'LinearWithVariables'
+  assert isinstance(res.params.layers[0], eqx.nn.Linear)
+  assert type(merged.layers[0]) is eqx.nn.Linear
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, x), merged(x),
+                             rtol=1e-5, atol=1e-6)
+  q = yax.quantize(mox, model, '//module_call[@type="Linear"]', weight='int8')
+  yax.check_mox(q.mox)
+  assert q.params.layers[1].weight.dtype == jnp.int8
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x),
+                             _dequantized(q, model)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_qwen3_moe_lora_merge_and_quantize(qwen3_moe):
+  model, ids, fn, mox = qwen3_moe
+  sel = '//module_call[@type="Linear"]'
+  res, trained, merged = _lora_and_merge(mox, model, (ids,), sel)
+  assert len(res.paths) == 2 * 5 + 1  # per layer q, k, v, o, router; head
+  np.testing.assert_allclose(yax.eval_mox(res.mox, trained, ids),
+                             fn(merged, ids), rtol=1e-4, atol=1e-5)
+  q = yax.quantize(mox, model, sel, weight='int8')
+  yax.check_mox(q.mox)
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, ids),
+                             fn(_dequantized(q, model), ids), rtol=1e-4,
+                             atol=1e-5)

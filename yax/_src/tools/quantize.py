@@ -405,7 +405,10 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     q, scale = quantize_kernel(kernel, weight, plan.contracted, tile, stack,
                                plan.source_perm)
     values.append((keys, boxed_like(boxed, q)))
+    # The scale is held as its kernel is: an NNX Variable in an NNX state,
+    # a plain array in a Linen dict or an Equinox module.
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
+                   or kernel is boxed
                    else _nnx.variable_holding('Param', scale)))
     stored[keys] = _Stored(plan.kernel_name, plan.contracted, stack,
                            jnp.dtype(kernel.dtype), plan.source_perm)
