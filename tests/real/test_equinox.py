@@ -291,3 +291,38 @@ def test_qwen3_moe_lora_merge_and_quantize(qwen3_moe):
   np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, ids),
                              fn(_dequantized(q, model), ids), rtol=1e-4,
                              atol=1e-5)
+
+
+# ---------------------------------------------------------------- esm2quinox
+
+def test_esm2quinox():
+  # ESM2 runs its layers in a lax.scan over a stack built by filter_vmap,
+  # inside an eqx.filter_jit method; its embedding is an eqx.nn.Embedding
+  # built in a property from the logit head's kernel (tied).
+  try:
+    import esm2quinox
+  except ImportError as e:
+    msg = f'esm2quinox is not installed ({e}); run: {INSTALL}'
+    if _in_ci():
+      pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+  model = esm2quinox.ESM2(num_layers=2, embed_size=32, num_heads=4,
+                          token_dropout=False, key=jax.random.key(0))
+  tokens = esm2quinox.tokenise(['MKTAYIAK'])[0]
+  fn = lambda m, t: m(t).logits
+  mox = _trace(fn, model, tokens)
+  calls = _calls(mox)
+  assert ('ESM2', '') in calls and ('TransformerLayer', 'layers') in calls
+  assert ('Linear', 'layers/attn/query_proj') in calls
+  assert ('Embedding', '<built>/Embedding') in calls
+  np.testing.assert_array_equal(yax.eval_mox(mox, model, tokens),
+                                fn(model, tokens))
+  # The tied kernel is refused by quantize unless its readers go together.
+  with pytest.raises(yax.SubstitutionError, match='also read by'):
+    yax.quantize(mox, model, '//module_call[@type="Linear"]')
+  sel = '//module_call[@type="Linear" and @path!="logit_head/linear2"]'
+  q = yax.quantize(mox, model, sel, weight='int8')
+  yax.check_mox(q.mox)
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, tokens),
+                             fn(_dequantized(q, model), tokens), rtol=1e-4,
+                             atol=1e-5)
