@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import yax
 
@@ -98,3 +99,32 @@ def test_qlora_and_init_params_on_a_vmap_stack_with_an_unbatched_input():
   np.testing.assert_allclose(
       yax.eval_mox(res.mox, full, x),
       jnp.stack([x @ deq[s] + k['bias'][s] for s in range(3)]), **TOL)
+
+
+class TwoKernels(nn.Module):
+  """Two kernels contracted in the body (each at its own dot_general,
+  through a ReLU, so adapted in place); ``w2`` is also contracted with
+  itself, which no adapter fits."""
+
+  @nn.compact
+  def __call__(self, x):
+    w1 = self.param('w1', nn.initializers.normal(1.0), (5, 4))
+    w2 = self.param('w2', nn.initializers.normal(1.0), (4, 4))
+    h = jax.nn.relu(x @ w1)
+    return h @ w2 + (w2 @ w2).sum()
+
+
+def test_a_call_with_kernels_that_fit_and_one_that_does_not_is_refused():
+  # Before: lora and quantize rewrote w1 and silently left w2 as it was.
+  x = jnp.ones((2, 5))
+  model = TwoKernels()
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  for tool in (yax.lora, yax.quantize):
+    with pytest.raises(yax.SubstitutionError) as info:
+      tool(mox, variables, '//module_call[@type="TwoKernels"]')
+    message = str(info.value)
+    assert 'params/w1' in message and 'params/w2' in message
+    assert 'not others is refused' in message
+    # The last line selects what the tool can do: nothing here.
+    assert yax.query(message.splitlines()[-1].strip(), mox) == []
