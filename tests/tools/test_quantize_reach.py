@@ -128,3 +128,38 @@ def test_a_call_with_kernels_that_fit_and_one_that_does_not_is_refused():
     assert 'not others is refused' in message
     # The last line selects what the tool can do: nothing here.
     assert yax.query(message.splitlines()[-1].strip(), mox) == []
+
+
+class Experts(nn.Module):
+  """A MoE's experts, [experts, in, out], contracted by ragged_dot."""
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    w = self.param('experts', nn.initializers.normal(1.0), (3, 5, 4))
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+def test_init_params_keeps_the_scale_record_under_in_place_lora():
+  # QLoRA adapts a ragged_dot's experts in place, in the call's body; the
+  # call, given new variables, lost its class and init_params its record
+  # of the scales: "params lacks ... experts_scale ... no module call of
+  # the tree declares it".
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  sizes = jnp.array([2, 3, 1], jnp.int32)
+  model = Experts()
+  variables = model.init(jax.random.key(1), x, sizes)
+  mox = yax.make_mox(model.apply)(variables, x, sizes)
+  select = '//module_call[@type="Experts"]'
+  q = yax.quantize(mox, variables, select, weight='int8')
+  res = yax.lora(q.mox, q.params, select, rank=2)
+  yax.check_mox(res.mox)
+  full = yax.init_params(res.mox, variables, key=jax.random.key(2))
+  got = full['params']
+  np.testing.assert_array_equal(got['experts'], q.params['params']['experts'])
+  np.testing.assert_array_equal(got['experts_scale'],
+                                q.params['params']['experts_scale'])
+  assert got['lora_a'].shape == (3, 5, 2) and got['lora_b'].shape == (3, 2, 4)
+  deq = int8_per_slice(variables['params']['experts'])
+  np.testing.assert_allclose(yax.eval_mox(res.mox, full, x, sizes),
+                             jax.lax.ragged_dot(x, jnp.asarray(deq), sizes),
+                             **TOL)

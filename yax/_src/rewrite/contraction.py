@@ -623,7 +623,11 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
     if isinstance(plan, KernelPlan):
       plans.append(plan)
     elif _reaches_contraction(node, i):
-      left.append(f"{'/'.join(keys[i])} ({plan})")
+      left.append((keys[i], f"{'/'.join(keys[i])} ({plan})"))
+  # A quantized kernel's scales reach its contraction as part of it.
+  scales = {(*p.kernel_keys[:-1], f'{p.kernel_name}_scale') for p in plans
+            if p.quant is not None}
+  left = [why for k, why in left if tuple(k) not in scales]
   if plans and left:
     done = ', '.join('/'.join(p.kernel_keys) for p in plans)
     return (f'it contracts kernels that fit ({done}) and kernels that do '
