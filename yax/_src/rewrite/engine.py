@@ -939,10 +939,17 @@ def _excluding(node: Expr, others=()) -> str:
   return ' and '.join(parts)
 
 
-def leave_out_hint(problems, selection, targets=()) -> str:
+def leave_out_hint(problems, selection, targets=(), root=None) -> str:
   """How a refusal ends: ``selection`` with a predicate that leaves out
   the refused nodes (``problems``: ``(node, wrapped)``, wrapped for a node
-  inside a LoRA call), as ONE XPath on the last line."""
+  inside a LoRA call), as ONE XPath on the last line. No XPath where it
+  would select nothing: every target refused, or (given the tree
+  ``root``) the XPath matching no node of it."""
+  nothing_left = ('No selection is suggested: every module call it matches '
+                  'is refused; select other module calls.')
+  refused = {id(n) for n, _ in problems}
+  if targets and all(id(t) in refused for t in targets):
+    return nothing_left
   conditions = list(dict.fromkeys(
       'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
           n, targets) for n, wrapped in problems))
@@ -954,9 +961,19 @@ def leave_out_hint(problems, selection, targets=()) -> str:
     fixed = (selection + predicate if simple
              else f'({selection}){predicate}')
     them = 'it' if len(problems) == 1 else 'them'
+    if root is not None and not _selects_any(fixed, root):
+      return nothing_left
     return f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  fixed = f'//module_call[@type="Dense"]{predicate}'
+  if root is not None and not _selects_any(fixed, root):
+    return 'Leave them out of the node list.'
   return ('Leave them out of the node list, or select with an XPath such '
-          f'as:\n  //module_call[@type="Dense"]{predicate}')
+          f'as:\n  {fixed}')
+
+
+def _selects_any(xpath: str, root: Mox) -> bool:
+  from yax._src.views.query import query  # views sit above the rewrite layer
+  return bool(query(xpath, root))
 
 
 def _describe_selection(selection) -> str:

@@ -542,7 +542,7 @@ def _refuse(problems, chosen: Selection, selection):
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
       '\n' + leave_out_hint([(n, wrapped) for n, _, wrapped in problems],
-                             selection, chosen.targets))
+                             selection, chosen.targets, chosen.root))
 
 
 # ---------------------------------------------------------- argument checks
@@ -631,19 +631,43 @@ def _check_key(key):
 
 
 def _params_argument(mox: Mox, prefix: tuple, params):
-  """Checks ``params`` against the traced argument at ``prefix``."""
+  """Checks ``params`` against the traced argument at ``prefix``; a
+  mismatch names the first key path that differs."""
   # prefix = (0|1, position or kwarg name, *keys inside that argument)
   root_args = jtu.tree_unflatten(mox.in_tree, mox.inputs)
   arg = root_args[prefix[0]][prefix[1]]
-  if jtu.tree_structure(arg) != jtu.tree_structure(params):
-    raise SubstitutionError(
-        'lora: `params` must have the structure of the traced argument that '
-        f'holds the parameters ({"args" if prefix[0] == 0 else "kwargs"}'
-        f'[{prefix[1]!r}]).\n  expected: {jtu.tree_structure(arg)}\n'
-        f'  given:    {jtu.tree_structure(params)}')
+  if jtu.tree_structure(arg) == jtu.tree_structure(params):
+    return
+  where = ('args' if prefix[0] == 0 else 'kwargs') + f'[{prefix[1]!r}]'
+  traced = [jtu.keystr(k) for k, _ in jtu.tree_flatten_with_path(
+      arg, is_leaf=lambda s: isinstance(s, Symbol))[0]]
+  types = dict(zip(traced, (s.type_str for s in jtu.tree_leaves(
+      arg, is_leaf=lambda s: isinstance(s, Symbol))), strict=True))
+  given = jtu.tree_flatten_with_path(params)[0]
+  found = dict((jtu.keystr(k), v) for k, v in given)
+  head = ('lora: `params` must have the structure of the traced argument '
+          f'that holds the parameters ({where}); ')
+  for path in traced:
+    if path not in found:
+      raise SubstitutionError(
+          head + f'{where}{path} is missing (expected {types[path]})')
+  for path, value in found.items():
+    if path not in types:
+      raise SubstitutionError(
+          head + f'{where}{path} is not in the traced argument (given '
+          f'{getattr(value, "dtype", type(value).__name__)}'
+          f'{list(np.shape(value))})')
+  raise SubstitutionError(
+      head + 'the key paths are the same, the containers differ (e.g. an '
+      f'nn.Partitioned box or a list where the trace had none): traced '
+      f'{type(arg).__name__}, given {type(params).__name__}')
 
 
-_DEFAULT_SELECTION = '//module_call[@type="Dense"]'
+# The linear layers of Linen, NNX and Hugging Face Flax (GPT-2's Conv1D).
+LINEAR_TYPES = ('Dense', 'DenseGeneral', 'Einsum', 'FlaxConv1D', 'Linear',
+                'LinearGeneral')
+_DEFAULT_SELECTION = '//module_call[{}]'.format(
+    ' or '.join(f'@type="{t}"' for t in LINEAR_TYPES))
 
 
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
@@ -728,10 +752,13 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'an argument: graphdef, state = nnx.split(model); mox = '
           'yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x); '
           'res = yax.lora(mox, state, ...)')
-    if selection == _DEFAULT_SELECTION:
-      selection = '//module_call[@type="Linear"]'
+  default = isinstance(selection, str) and selection == _DEFAULT_SELECTION
   chosen = select(selection, mox)
   targets = _contraction.plan_kernels(chosen, 'lora', rank, every=True)
+  if default:  # a head tied to an embedding is left out, as peft does
+    computed = {id(t.node) for t in targets if t.plan is not None
+                and not t.own}
+    targets = [t for t in targets if id(t.node) not in computed]
   prefix = collections.get(group)
   if prefix is not None and len(prefix) < 2:
     raise SubstitutionError(
@@ -840,6 +867,16 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       plans[pkey] = dataclasses.replace(plan, tied=(
           'its kernel is also read by ' + ', '.join(sorted(
               {f'{describe(h)} (method {h.entrypoint})' for h in others}))))
+  if default:  # kernels other calls read too (Embed.attend) stay as they are
+    plans = {k: p for k, p in plans.items() if p.tied is None}
+    kept = {k[0] for k in plans}
+    targets = [t for t in targets if id(t.node) in kept]
+    if not plans:
+      raise SubstitutionError(
+          "lora's default selection (the linear layers: "
+          f"{', '.join(LINEAR_TYPES)}) found no layer whose kernel is its "
+          'own parameter and read by it alone; pass an XPath of the module '
+          "calls to adapt, e.g. '//module_call[@type=\"MyDense\"]'")
   # Where one scope holds several adapted kernels (nn.share_scope, a MoE's
   # expert kernels), each pair is named after its kernel: 'wi_0_lora_a'.
   kernels_at: dict = {}
@@ -953,7 +990,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         'too, so a tied head could no longer be tied: keep the adapters '
         '(run res.mox with the trained params), or adapt the other '
         'modules only to get mergeable adapters.\n' + leave_out_hint(
-            heads, selection, chosen.targets))
+            heads, selection, chosen.targets, mox))
   config = {
       'selection': (selection if isinstance(selection, str)
                     else chosen.description),
