@@ -193,6 +193,31 @@ class LoraResult:
     """Trainable elements (adapters and ``train=`` params)."""
     return self.trainable_count().trainable
 
+  def weighted(self, params, weights: dict):
+    """``params`` with the weights of named adapters set: ``weights``
+    maps an adapter name (``lora(adapter_name=...)``) to the factor its
+    adapters are scaled by (1 when made). Several adapters with weights:
+    their weighted sum (a combination); see :meth:`switch`. Works on any
+    params tree of this result's ``mox`` or of a later named ``lora`` on
+    it.
+
+    Example::
+
+        p = res_b.weighted(trained, {'a': 0.5, 'b': 0.5})
+    """
+    return set_adapter_weights(params, weights)
+
+  def switch(self, params, active: str):
+    """``params`` where only the named adapter ``active`` acts (weight 1;
+    every other named adapter 0)."""
+    names = adapter_weight_names(params)
+    if active not in names:
+      raise SubstitutionError(
+          f'switch: no adapter named {active!r} in params; its named '
+          f'adapters are {sorted(names)}')
+    return set_adapter_weights(params, {n: float(n == active)
+                                        for n in names})
+
 
 _ADAPTER_NAMES = ('lora_a', 'lora_b')
 
@@ -314,11 +339,13 @@ def _dora_delta(c: _contraction.Contraction, k_ndim: int, x, w, a, b, m,
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
                     x_aval, y_aval, dtype, scale, stack=(), extra=(),
-                    dropout=0.0, site=0, dora=None):
+                    dropout=0.0, site=0, dora=None, weighted=False):
   def adapter(y, x, a, b, *rest):
     more, rest = rest[:len(extra)], rest[len(extra):]
     if dora is not None:
       kernel, magnitude, *rest = rest
+    if weighted:
+      weight, *rest = rest
     for step in c.x_steps:
       x = step.apply(x)
     x = x.astype(dtype)
@@ -332,6 +359,8 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
     if dora is not None:
       delta = _dora_delta(c, k_ndim, x, kernel.astype(dtype), a, b,
                           magnitude, delta, scale)
+    if weighted:
+      delta = weight * delta
     delta = delta.astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
@@ -343,6 +372,8 @@ def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
   if dora is not None:
     k_shape, k_dtype, m_shape = dora
     specs += [spec(k_shape, k_dtype), spec(m_shape, dtype)]
+  if weighted:
+    specs.append(spec((), dtype))
   if dropout:
     specs.append(spec((2,), jnp.uint32))
   return make_mox(adapter)(*specs)
@@ -356,7 +387,8 @@ def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype,
   ``dora``: (kernel shape, kernel dtype, magnitude shape) for DoRA."""
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
           plan.b_shape, x_aval, y_aval, dtype, opts.scale, plan.stack,
-          tuple(extra), opts.dropout, site if opts.dropout else 0, dora)
+          tuple(extra), opts.dropout, site if opts.dropout else 0, dora,
+          opts.weighted)
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -374,6 +406,7 @@ class _Options:
   scale: float
   dropout: float = 0.0
   dora: bool = False
+  weighted: bool = False  # a named adapter: its weight scales it
 
 
 DROPOUT_KEY = 'lora_dropout_key'
@@ -391,7 +424,7 @@ def _key_input(opts: _Options, named: dict) -> list:
 
 def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
                    site: int = 0, named: dict | None = None,
-                   init: str = 'default') -> Mox:
+                   init: str = 'default', named_adapter=None) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
   c = plan.contraction
   kernel = node.var_inputs[c.kernel_index]
@@ -404,6 +437,9 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
     dora = (tuple(kernel.aval.shape), kernel.aval.dtype, m_shape)
     magnitude = Var(jax.core.ShapedArray(m_shape, dtype))
     reads = [kernel, magnitude]
+  if opts.weighted:
+    weight = Var(jax.core.ShapedArray((), dtype))
+    reads = [weight]
   adapter = _adapter_mox(plan, x.aval, y.aval, dtype, opts, site=site,
                          dora=dora)
   if adapter.constvars:
@@ -422,9 +458,10 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
     # path and the head's name for a nested apply's root (path ()).
     rel, group = tuple(plan.place[len(node.path):]), plan.kernel_keys[0]
     kind = group
-  syms = [a, b] + ([magnitude] if opts.dora else [])
+  syms = [a, b] + ([magnitude] if opts.dora else []) + (
+      [weight] if opts.weighted else [])
   var_inputs, var_tree = with_variables(node, added=[
-      VarEntry(group, kind, (*rel, name), True, not rel, sym)
+      VarEntry(group, _kind(kind, name), (*rel, name), True, not rel, sym)
       for name, sym in zip(_var_names(plan, opts), syms, strict=True)])
   outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
   in_tree = node.in_tree
@@ -433,7 +470,8 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
     in_tree = jtu.tree_structure(((*args, *keys), kwargs))
   return Mox(var_inputs + list(node.arg_inputs) + keys, outputs,
              {'name': node.name, 'rank': opts.rank, 'alpha': opts.alpha,
-              'base': node.type_name, 'kernel': plan.kernel_name},
+              'base': node.type_name, 'kernel': plan.kernel_name,
+              **_named(named_adapter)},
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=in_tree, out_tree=node.out_tree,
              var_tree=var_tree, inits=_inits(group, rel, plan, opts, init))
@@ -441,10 +479,26 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
 
 def _var_names(plan: _contraction.KernelPlan, opts: _Options) -> tuple:
   """The new variables' names: ``lora_a``, ``lora_b`` (as named in the
-  plan) and, for DoRA, the magnitude ``lora_magnitude``."""
-  if not opts.dora:
-    return plan.names
-  return (*plan.names, _magnitude_name(plan.names))
+  plan), for DoRA the magnitude ``lora_magnitude``, for a named adapter
+  its weight ``<name>_lora_weight``."""
+  return (*plan.names, *([_magnitude_name(plan.names)] if opts.dora else []),
+          *([_weight_name(plan.names)] if opts.weighted else []))
+
+
+def _weight_name(names: tuple) -> str:
+  return names[0][:-len('lora_a')] + 'lora_weight'
+
+
+def _kind(kind: str, name: str) -> str:
+  """A named adapter's weight is a frozen NNX ``Param``, not a
+  ``LoRAParam``."""
+  return 'Param' if kind == 'LoRAParam' and name.endswith('lora_weight') \
+      else kind
+
+
+def _named(adapter_name) -> dict:
+  """The LoRA call's field naming its adapter (none for the unnamed)."""
+  return {} if adapter_name is None else {'adapter': adapter_name}
 
 
 def _magnitude_name(names: tuple) -> str:
@@ -466,7 +520,15 @@ def _inits(group: str, rel: tuple, plan: _contraction.KernelPlan,
     m = (group, *rel, names[2])
     record[m] = functools.partial(_init_magnitude, m,
                                   (group, *rel, plan.kernel_name), plan)
+  if opts.weighted:
+    w = (group, *rel, names[-1])
+    record[w] = functools.partial(_init_weight, w)
   return record
+
+
+def _init_weight(keys, key, aval, read):
+  del key, read
+  return {keys: jnp.ones(aval.shape, aval.dtype)}
 
 
 def _init_a(keys, std, init, key, aval, read):
@@ -492,7 +554,7 @@ def _init_magnitude(keys, kernel_keys, plan, key, aval, read):
 
 def _site_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
                    site: int = 0, named: dict | None = None,
-                   init: str = 'default') -> Mox:
+                   init: str = 'default', named_adapter=None) -> Mox:
   """A ``LoRA`` module call in place of the contraction equation
   ``plan.site`` inside ``node``'s body, at ``node``'s path: the
   contraction, then the adapter on its operand added to its output. Its
@@ -508,25 +570,27 @@ def _site_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
   adapter = _adapter_mox(plan, x.aval, z.aval, dtype, opts,
                          [(tuple(s.aval.shape), s.aval.dtype) for s in more],
                          site=site)
+  weights = [Var(jax.core.ShapedArray((), dtype))] if opts.weighted else []
   a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
   b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
   keys = _key_input(opts, {} if named is None else named)
   out = Var(z.aval)
   children = [eqn.replace(inputs=args, outputs=[z]),
-              *inline(adapter, [z, x, a, b, *more, *keys], [out])]
+              *inline(adapter, [z, x, a, b, *more, *weights, *keys], [out])]
   if is_nnx(node):
     group, kind = NNX_GROUP, 'LoRAParam'
   else:
     group = kind = plan.kernel_keys[0]
   bare = Mox([], [], module_ty=LoRA)
   var_inputs, var_tree = with_variables(bare, [], added=[
-      VarEntry(group, kind, (name,), True, True, sym)
-      for name, sym in zip(plan.names, (a, b), strict=True)])
+      VarEntry(group, _kind(kind, name), (name,), True, True, sym)
+      for name, sym in zip(_var_names(plan, opts), (a, b, *weights),
+                           strict=True)])
   arg_inputs = [s for s in args if not isinstance(s, Literal)] + keys
   return Mox(var_inputs + arg_inputs, [out],
              {'name': node.name, 'rank': opts.rank, 'alpha': opts.alpha,
               'base': eqn.prim.name, 'kernel': plan.kernel_name,
-              IN_PLACE: True},
+              IN_PLACE: True, **_named(named_adapter)},
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=jtu.tree_structure((tuple(arg_inputs),
                                                          {})),
@@ -613,6 +677,16 @@ def _check_train_names(names):
   return names
 
 
+def _check_adapter_name(name):
+  if name is None:
+    return None
+  if not isinstance(name, str) or not name.isidentifier():
+    raise SubstitutionError(
+        f'lora: adapter_name must be an identifier (a str such as '
+        f"'task_a'), found {type(name).__name__} {name!r}")
+  return name
+
+
 def _check_key(key):
   if key is None:
     return jax.random.key(0)
@@ -673,7 +747,7 @@ _DEFAULT_SELECTION = '//module_call[{}]'.format(
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
          rank: int = 4, alpha: float = 1.0, key=None, init: str = 'default',
          rslora: bool = False, dropout: float = 0.0, dora: bool = False,
-         train=None, train_names=None) -> LoraResult:
+         train=None, train_names=None, adapter_name=None) -> LoraResult:
   """Wraps every selected linear module call in a LoRA adapter.
 
   **Arguments:**
@@ -752,6 +826,15 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'an argument: graphdef, state = nnx.split(model); mox = '
           'yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x); '
           'res = yax.lora(mox, state, ...)')
+  adapter_name = _check_adapter_name(adapter_name)
+  if adapter_name is not None and opts.dora:
+    raise SubstitutionError(
+        'lora: a named adapter (adapter_name=) is weighted by a scalar '
+        'param, which DoRA\'s magnitude does not take; use one unnamed DoRA '
+        'adapter')
+  opts = dataclasses.replace(opts, weighted=adapter_name is not None)
+  ours = (_ADAPTER_NAMES if adapter_name is None
+          else tuple(f'{adapter_name}_{n}' for n in _ADAPTER_NAMES))
   default = isinstance(selection, str) and selection == _DEFAULT_SELECTION
   chosen = select(selection, mox)
   targets = _contraction.plan_kernels(chosen, 'lora', rank, every=True)
@@ -784,10 +867,12 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     if id(node) in problems:
       continue
     ancestors = chosen.ancestors[id(node)]
+    # Named adapters stack: another name's LoRA call may wrap the node.
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
-                    and a.module_ty is LoRA), None)
+                    and a.module_ty is LoRA
+                    and a.params.get('adapter') == adapter_name), None)
     held = sorted(n for n in _contraction.own_param_names(node)
-                  if _is_adapter_name(n))
+                  if isinstance(n, str) and n.endswith(ours))
     if node.module_ty is LoRA:
       problems[id(node)] = (node, 'it is a LoRA adapter already', False)
       continue
@@ -807,8 +892,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     kernel = node.var_inputs[plan.contraction.kernel_index]
     method = node.entrypoint if node.entrypoint not in (None, '__call__') \
         else None
-    names = (tuple(f'{method}_{n}' for n in _ADAPTER_NAMES) if method
-             else _ADAPTER_NAMES)
+    names = (tuple(f'{method}_{n}' for n in ours) if method else ours)
     keypath = target.keypath
     own_place = (*prefix, *node.path, *plan.kernel_keys[1:])
     if target.own:
@@ -908,7 +992,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       _, node, plan = replaced[id(item)]
       site = number[(tuple(plan.place), plan.names)]
       template = _lora_template if plan.site is None else _site_template
-      return template(node, plan, opts, site, named, init)
+      return template(node, plan, opts, site, named, init, adapter_name)
 
     sites = select([item for item, _, _ in replaced.values()], mox)
     return substitute(sites, make, mox, inputs=named)
@@ -940,7 +1024,15 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     # None for a call-site adapter of a head whose kernel is not here.
     kernel_at = (*inside, *loc[1:-1], plan.kernel_name)
     kernel = _get_or_none(params, kernel_at)
-    role = ('a', 'b', 'm')[_var_names(plan, opts).index(loc[-1])]
+    role = dict(zip(_var_names(plan, opts), 'abmw' if opts.dora else 'abw'))[
+        loc[-1]]
+    if role == 'w':  # a named adapter's weight: 1, frozen
+      value = jnp.ones((), dtype)
+      box = (functools.partial(_nnx.variable_holding, 'Param')
+             if group == NNX_GROUP else (lambda v: v))
+      values.append(((*inside, *loc[1:]), box(value)))
+      flags.append(((*inside, *loc[1:]), box(False)))
+      continue
     if role == 'm':
       value = _column_norm(plan, unboxed(kernel)).astype(dtype)
     elif init == 'svd':
@@ -997,7 +1089,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       'rank': rank, 'alpha': alpha, 'scale': scale,
       'variant': 'dora' if opts.dora else 'lora', 'init': init,
       'rslora': bool(rslora), 'dropout': opts.dropout,
-      'adapter_name': None,
+      'adapter_name': adapter_name,
       'train': train if isinstance(train, str) or train is None
                else select(train, mox).description,
       'train_names': None if train_names is None else list(train_names),
@@ -1008,12 +1100,13 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'kernel': plan.kernel_name, 'a_shape': list(plan.a_shape),
           'b_shape': list(plan.b_shape),
           'magnitude': _magnitude_name(names) if opts.dora else None,
+          'weight': _weight_name(names) if opts.weighted else None,
           'mergeable': plan.tied is None}
                    for (path, names), plan in merges],
       'yax_version': __version__,
   }
   folds = dict(merges=tuple(merges), inside=inside, scale=scale,
-               dora=opts.dora)
+               dora=opts.dora, weighted=opts.weighted)
   return LoraResult(
       new_mox, new_params, mask,
       functools.partial(merge, **folds, refusal=refusal), paths, config,
@@ -1035,14 +1128,16 @@ def _norm(matrix):
 
 
 def merge(trained, *, merges: tuple, inside: tuple, scale: float,
-          refusal: str | None = None, dora: bool = False):
+          refusal: str | None = None, dora: bool = False,
+          weighted: bool = False):
   """Folds ``kernel + scale * A @ B`` (in the kernel's layout) for every
   adapter of ``merges`` (``((module path, adapter names), plan)``, under
   ``inside`` in ``trained``) and returns params for the original tree
   (adapters removed), in ``trained``'s container types. ``refusal``: why
   these adapters cannot be merged (call-site adapters of tied heads).
   ``dora``: the kernel is scaled per output channel by DoRA's magnitude
-  over the norm (see :func:`lora`)."""
+  over the norm (see :func:`lora`). ``weighted``: a named adapter, scaled
+  by its weight too."""
   if refusal is not None:
     raise SubstitutionError(refusal)
   out = trained
@@ -1059,6 +1154,10 @@ def merge(trained, *, merges: tuple, inside: tuple, scale: float,
     if dora:
       m = unboxed(get_in(out, (*keys, _magnitude_name(names))))
       drop = (*names, _magnitude_name(names))
+    weight = 1.0
+    if weighted:
+      weight = unboxed(get_in(out, (*keys, _weight_name(names))))
+      drop = (*drop, _weight_name(names))
     if plan.quant is not None:  # QLoRA: back to the float kernel
       scale_name = f'{plan.kernel_name}_scale'
       kernel = dequantize_kernel(
@@ -1072,11 +1171,51 @@ def merge(trained, *, merges: tuple, inside: tuple, scale: float,
           f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
           f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
           f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
-    folded = _fold(kernel, a, b, m, plan, scale)
+    folded = _fold(kernel, a, b, m, plan, scale * weight)
     merged = boxed_like(boxed, folded.astype(kernel.dtype))
     out = set_in(out, keys, set_in(without(module, drop),
                                    (plan.kernel_name,), merged))
   return out
+
+
+def _weight_leaves(params):
+  """``[(key path, adapter name)]`` of the named adapters' weights."""
+  out = []
+  for path, _ in jtu.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))
+            for k in path]
+    name = next((k for k in reversed(keys) if isinstance(k, str)), '')
+    if name.endswith('_lora_weight'):
+      out.append((tuple(keys), name[:-len('_lora_weight')]))
+  return out
+
+
+def adapter_weight_names(params) -> set:
+  """The names of the named adapters whose weights ``params`` holds."""
+  return {n for _, n in _weight_leaves(params)}
+
+
+def set_adapter_weights(params, weights: dict):
+  """``params`` with each named adapter's weight set to ``weights[name]``
+  (see :meth:`LoraResult.weighted`)."""
+  found = adapter_weight_names(params)
+  unknown = sorted(set(weights) - found)
+  if unknown:
+    raise SubstitutionError(
+        f'weighted: no adapter named {unknown[0]!r} in params; its named '
+        f'adapters are {sorted(found)}')
+  flat, treedef = jtu.tree_flatten_with_path(params)
+  by_path = {tuple(keys): n for keys, n in _weight_leaves(params)}
+  leaves = []
+  for path, leaf in flat:
+    keys = tuple(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))
+                 for k in path)
+    name = by_path.get(keys)
+    if name in weights:
+      leaf = jnp.asarray(weights[name], jnp.asarray(leaf).dtype).reshape(
+          np.shape(leaf))
+    leaves.append(leaf)
+  return jtu.tree_unflatten(treedef, leaves)
 
 
 def _check_pair(where, names, a, b, plan):
@@ -1089,7 +1228,8 @@ def _check_pair(where, names, a, b, plan):
 
 
 def unmerge(merged, trained, *, merges: tuple, inside: tuple, scale: float,
-            refusal: str | None = None, dora: bool = False):
+            refusal: str | None = None, dora: bool = False,
+            weighted: bool = False):
   """Undoes :func:`merge`: params for the LoRA tree, each kernel being
   ``merged``'s with ``trained``'s adapters taken out (``W = W_merged -
   scale * A @ B``; DoRA: ``W = W_merged * ||W_t + scale * A @ B|| / m -
@@ -1111,7 +1251,9 @@ def unmerge(merged, trained, *, merges: tuple, inside: tuple, scale: float,
     folded = unboxed(get_in(merged, (*keys, plan.kernel_name)))
     a, b = (unboxed(get_in(out, (*keys, n))) for n in names)
     _check_pair(where, names, a, b, plan)
-    delta = scale * _kernel_delta(plan, a, b)
+    weight = (unboxed(get_in(out, (*keys, _weight_name(names))))
+              if weighted else 1.0)
+    delta = weight * scale * _kernel_delta(plan, a, b)
     if tuple(np.shape(folded)) != tuple(delta.shape):
       raise SubstitutionError(
           f'unmerge: the merged kernel at {where} is '
