@@ -972,7 +972,7 @@ def leave_out_hint(problems, selection, targets=(), root=None) -> str:
 
 
 def _selects_any(xpath: str, root: Mox) -> bool:
-  from yax._src.views.query import query  # views sit above the rewrite layer
+  from yax._src.views.query import query  # as select() imports it
   return bool(query(xpath, root))
 
 
