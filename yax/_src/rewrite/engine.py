@@ -36,9 +36,10 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.containers import set_in
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
                                iter_nodes)
-from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name, location,
-                                   unboxed_path, var_entries, var_keys,
-                                   var_kind, with_variables)
+from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name,
+                                   leaf_keypaths, location, unboxed_path,
+                                   var_entries, var_keys, var_kind,
+                                   with_variables)
 from yax._src.trace import nnx as _nnx
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
@@ -60,11 +61,9 @@ def _where(node: Expr, path: tuple = ()) -> str:
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
-  placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
-  out = {}
-  for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
-  return out
+  keypaths = leaf_keypaths(root.in_tree)
+  return {sym: tuple(key_name(k) for k in unboxed_path(keypath))
+          for sym, keypath in zip(root.inputs, keypaths, strict=True)}
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
