@@ -535,7 +535,7 @@ def test_unread_params_are_counted_next_to_a_picky_argument():
   """The unread params come from the traced arguments' key paths. A pytree
   node of the user's whose unflatten refuses placeholder leaves (Picky,
   a second argument) used to drop them all from the totals (the summary
-  said 36 params for a model of 56)."""
+  said 20 params for a model of 40)."""
   from helpers import Picky
 
   class Block(nn.Module):
