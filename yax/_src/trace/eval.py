@@ -222,6 +222,8 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
     leaves, paths = _match_tree(mox, jax.tree_util.tree_unflatten(tree, leaves))
   # Not strict: without an ``in_tree`` the counts may differ, which
   # ``Interpreter.run`` reports.
+  leaves = [_typed_key(sym, x) for sym, x in zip(mox.inputs, leaves)] + \
+      list(leaves[len(mox.inputs):])
   for i, (sym, x) in enumerate(zip(mox.inputs, leaves, strict=False)):
     problem = _leaf_problem(sym, x)
     if problem:
@@ -232,6 +234,30 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
           f'eval_mox: argument {paths[i]} does not match the trace.\n'
           f'  expected: {problem[0]}\n  given:    {problem[1]}')
   return leaves
+
+
+def _typed_key(sym: Symbol, x):
+  """``x`` as a typed PRNG key where the trace has one and ``x`` is a raw
+  key (``jax.random.PRNGKey``'s ``uint32`` data) of the default
+  implementation with the same key shape; else ``x`` unchanged (checked
+  by :func:`_leaf_problem`). Any JAX key is accepted where a key is taken."""
+  dtype = getattr(sym.aval, 'dtype', None)
+  if (isinstance(sym, Literal) or dtype is None
+      or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+      or isinstance(x, jax.ShapeDtypeStruct)):
+    return x
+  try:
+    aval = jax.typeof(x)
+  except Exception:  # noqa: BLE001 - not a JAX value: reported by _leaf_problem
+    return x
+  if getattr(aval, 'dtype', None) != jax.numpy.uint32:
+    return x
+  data = jax.eval_shape(jax.random.key_data,
+                        jax.ShapeDtypeStruct(tuple(sym.aval.shape), dtype))
+  if tuple(aval.shape) != tuple(data.shape):
+    return x
+  key = jax.random.wrap_key_data(x)  # the default implementation's
+  return key if key.dtype == dtype else x
 
 
 def _leaf_problem(sym: Symbol, x) -> tuple[str, str] | None:
