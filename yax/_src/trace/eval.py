@@ -10,6 +10,8 @@ Values are dropped from the environment after their last use, as JAX's
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 import weakref
 from typing import Any, Sequence
 
@@ -24,6 +26,15 @@ from yax._src.trace import nnx as _nnx
 
 
 # ---------------------------------------------------------- interpreter
+
+# A function of a module call returning a context manager that every
+# interpreter enters around the call's body while it is set (None: none).
+# ``yax.memory_report`` opens a ``jax.named_scope`` per call with it, so the
+# equations JAX traces carry the call they belong to, in ``eval_mox`` trees
+# that a loss function evaluates as well.
+MODULE_SCOPE: contextvars.ContextVar = contextvars.ContextVar(
+    'yax_module_scope', default=None)
+
 
 class Interpreter:
   """Runs a tree node by node. Override a ``run_*`` method to change a kind.
@@ -90,11 +101,13 @@ class Interpreter:
   def run_module(self, mox: Mox) -> None:
     self.modules.append(mox)
     dead = self._dead[-1] if self._dead else {}
+    hook = MODULE_SCOPE.get()
     try:
-      for child in mox.children:
-        self.run_node(child)
-        for s in dead.get(id(child), ()):  # last used by ``child``
-          self.env.pop(s, None)
+      with hook(mox) if hook is not None else contextlib.nullcontext():
+        for child in mox.children:
+          self.run_node(child)
+          for s in dead.get(id(child), ()):  # last used by ``child``
+            self.env.pop(s, None)
     finally:
       self.modules.pop()
 
