@@ -558,6 +558,30 @@ def test_a_tied_head_kernel_never_read_sits_in_the_root_row():
   assert 'Total params: 100 (400 B), 40 of them read by no module call' in text
 
 
+def test_unread_params_are_counted_next_to_a_picky_argument():
+  """The unread params come from the traced arguments' key paths. A pytree
+  node of the user's whose unflatten refuses placeholder leaves (Picky,
+  a second argument) used to drop them all from the totals (the summary
+  said 20 params for a model of 40)."""
+  from helpers import Picky
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, aux: bool = False):
+      y = nn.Dense(4, name='main')(x)
+      return y + nn.Dense(4, name='aux')(x) if aux else y
+
+  x = jnp.ones((1, 4))
+  variables = Block().init(jax.random.key(0), x, aux=True)
+  mox = yax.make_mox(lambda v, p, x: Block().apply(v, x) * p.w)(
+      variables, Picky(jnp.ones(4)), x)
+  params = variables['params']
+  rows = yax.summary(mox)
+  assert rows[0].params == _n_leaves(params) == 40
+  assert rows[0].unread_params == _n_leaves(params['aux']) == 20
+  assert _summary.total_params(mox)[0] == 40
+
+
 def test_a_linen_submodule_never_called_sits_in_its_parent_row():
   """A Linen submodule created at init but not called on the traced path
   (``aux=False``): its params are the owning module's, unread; the rows
