@@ -38,6 +38,7 @@ from yax._src.tools.quantize import QuantizeResult as QuantizeResult
 from yax._src.tools.quantize import quantize as quantize
 from yax._src.tools.randomized import randomized_linear as randomized_linear
 from yax._src.tools.remat import remat as remat
+from yax._src.tools.lean_norm import lean_norm as lean_norm
 from yax._src.views.query import query as query
 from yax._src.views.serialize import dump_xml as dump_xml
 from yax._src.views.serialize import dump_yson as dump_yson
