@@ -47,7 +47,7 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.lower import dynamic, to_jaxpr
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol,
                                leaf_equations)
-from yax._src.ir.variables import var_entries
+from yax._src.ir.variables import placeholder_parts, var_entries
 from yax._src.report import flops as _flops
 
 PARAMS = 'params'
@@ -194,12 +194,16 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   read: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
     read.update(reads.of(node))
-  try:
-    located = _engine.locate(mox)
-    arguments = jax.tree_util.tree_unflatten(
-        mox.in_tree, list(range(len(mox.inputs))))
-  except Exception:  # noqa: BLE001 - a rewritten root with an odd in_tree
-    return {}
+  if mox.in_tree.num_leaves != len(mox.inputs):
+    raise YaxError(
+        f'summary: the root takes {len(mox.inputs)} inputs but its in_tree '
+        f'has {mox.in_tree.num_leaves} leaves, so its params cannot be '
+        'told apart from its other inputs; the tree was built '
+        'inconsistently (yax.check_mox says where)')
+  located = _engine.locate(mox)
+  # The traced arguments with each leaf's index in place of its value (in
+  # parts, where a pytree node of the user's refuses such placeholders).
+  arguments = [sub for _, sub in placeholder_parts(mox.in_tree)]
   in_variables = _nnx.param_leaves(arguments)
   linen = located.collections.get(PARAMS)
   prefixes = sorted(located.collections.values(), key=len, reverse=True)
