@@ -80,6 +80,7 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      describe,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_kernel
+from yax._src.rewrite.recipe import recorded
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 
@@ -100,12 +101,14 @@ class LoraResult:
       adapter weights (for ``optax.masked`` / ``optax.multi_transform``).
     merge: ``merge(p)`` folds trained adapters in ``p`` into the kernels and
       returns a params tree for the ORIGINAL tree.
+    recipe: this call recorded, to replay it on a new trace (``yax.keep``).
   """
   mox: Mox
   params: Any
   mask: Any
   merge: Callable[[Any], Any]
   paths: list  # module paths that were adapted
+  recipe: Any = None
 
 
 
@@ -400,6 +403,7 @@ def _params_argument(mox: Mox, prefix: tuple, params):
 _DEFAULT_SELECTION = '//module_call[@type="Dense"]'
 
 
+@recorded
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
          rank: int = 4, alpha: float = 1.0, key=None) -> LoraResult:
   """Wraps every selected linear module call in a LoRA adapter.
