@@ -252,3 +252,17 @@ def test_eval_mox_on_a_symbolic_trace_points_to_keep():
       r'(?s)expected: f32\[b,4\], a symbolic shape.*given:    f32\[7,4\].*'
       r'yax\.keep\(fn, res\.recipe\)')):
     yax.eval_mox(mox, variables, jnp.ones((7, 4)))
+
+
+def test_a_recipe_that_reads_params_must_be_applied_first(block):
+  model, variables, _, _ = block
+  fresh = yax.recipe(lambda m, p: yax.lora(m, p, DENSE, rank=RANK))
+  with pytest.raises(yax.SubstitutionError,
+                     match=r'apply it to a traced tree first'):
+    yax.keep(model.apply, fresh)
+  mox = yax.make_mox(model.apply)(variables, _x(2, 5))
+  applied = fresh.apply(mox, variables)
+  kept = yax.keep(model.apply, applied.recipe)
+  x = _x(3, 2)
+  assert_trees_close(kept(applied.params, x),
+                     model.apply(_by_hand(applied.params, 1.0 / RANK), x))

@@ -45,9 +45,12 @@ class Base:
 @dataclasses.dataclass(frozen=True)
 class Step:
   """One rewrite of a recipe: ``fn(mox, params)`` returns a ``Mox`` or a
-  result with ``.mox`` and ``.params``; ``name`` is shown in messages."""
+  result with ``.mox`` and ``.params``; ``name`` is shown in messages;
+  ``reads_params``: the step needs the params (a tool that adds or changes
+  them), so replaying it needs the recipe's ``base``."""
   name: str
   fn: Callable[[Mox, Any], Any]
+  reads_params: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +84,13 @@ class Recipe:
       out = both.apply(mox, variables)           # out.mox, out.params
   """
 
-  __slots__ = ('steps', 'base')
+  __slots__ = ('steps', 'base', 'unbound')
 
-  def __init__(self, steps=(), base: Base | None = None):
+  def __init__(self, steps=(), base: Base | None = None,
+               unbound: str | None = None):
     self.steps = tuple(steps)
     self.base = base
+    self.unbound = unbound  # why ``base`` could not be recorded
     for step in self.steps:
       if not isinstance(step, Step):
         raise SubstitutionError(
@@ -95,7 +100,8 @@ class Recipe:
   def __add__(self, other: 'Recipe') -> 'Recipe':
     if not isinstance(other, Recipe):
       return NotImplemented
-    return Recipe(self.steps + other.steps, self.base or other.base)
+    return Recipe(self.steps + other.steps, self.base or other.base,
+                  self.unbound or other.unbound)
 
   def __repr__(self) -> str:
     names = ', '.join(s.name for s in self.steps)
@@ -121,7 +127,8 @@ class Recipe:
     base = self.base
     if base is None and first is not None:
       base = base_of(original, first)
-    return Applied(mox, params, tuple(results), Recipe(self.steps, base))
+    return Applied(mox, params, tuple(results),
+                   Recipe(self.steps, base, None if base else self.unbound))
 
 
 def run_step(step: Step, mox: Mox, params):
@@ -163,7 +170,7 @@ def recipe(fn: Callable) -> Recipe:
   name = getattr(fn, '__name__', type(fn).__name__)
   if _positional_count(fn) == 1:
     return Recipe([Step(name, lambda mox, params: fn(mox))])
-  return Recipe([Step(name, fn)])
+  return Recipe([Step(name, fn, reads_params=True)])
 
 
 def _positional_count(fn) -> int | None:
@@ -226,9 +233,15 @@ def recorded(tool: Callable) -> Callable:
   def wrapper(mox, params, *args, **kwargs):
     result = tool(mox, params, *args, **kwargs)
     step = Step(tool.__name__,
-                functools.partial(_replay_tool, tool, args, kwargs))
-    return dataclasses.replace(
-        result, recipe=Recipe([step], base_of(mox, params)))
+                functools.partial(_replay_tool, tool, args, kwargs),
+                reads_params=True)
+    try:
+      base, unbound = base_of(mox, params), None
+    except SubstitutionError as e:
+      # The tool's own result stands; only yax.keep needs the base, and
+      # says why it is missing when asked to replay this recipe.
+      base, unbound = None, str(e)
+    return dataclasses.replace(result, recipe=Recipe([step], base, unbound))
   return wrapper
 
 

@@ -290,6 +290,14 @@ def keep(fn: Callable, recipe: Recipe, *, static_argnums=(),
     raise SubstitutionError(
         f'keep expects a yax.Recipe (e.g. res.recipe of yax.lora), found '
         f'{type(recipe).__name__}')
+  readers = [s.name for s in recipe.steps if s.reads_params]
+  if readers and recipe.base is None:
+    raise SubstitutionError(
+        f'keep: the recipe step {readers[0]} reads the params, but the '
+        'recipe does not know the params it was first applied to' + (
+            f' ({recipe.unbound})' if recipe.unbound else '; apply it to a '
+            'traced tree first (out = recipe.apply(mox, params)) and keep '
+            'out.recipe'))
   for i in static_argnums:
     if isinstance(i, bool) or not isinstance(i, int) or i < 0:
       raise SubstitutionError(
