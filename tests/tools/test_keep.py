@@ -266,3 +266,34 @@ def test_a_recipe_that_reads_params_must_be_applied_first(block):
   x = _x(3, 2)
   assert_trees_close(kept(applied.params, x),
                      model.apply(_by_hand(applied.params, 1.0 / RANK), x))
+
+
+def test_nnx_split_form():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(4, 8, rngs=rngs)
+      self.down = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+
+  def apply(s, x):
+    return nnx.merge(graphdef, s)(x)
+
+  mox = yax.make_mox(apply)(state, jnp.ones((2, 4)))
+  res = yax.lora(mox, state, '//module_call[@type="Linear"]', rank=RANK,
+                 alpha=ALPHA)
+  trained = trained_adapters(res.params, res.mask)
+  kept = yax.keep(apply, res.recipe)
+  reference = nnx.merge(graphdef, state)  # the plain model, weights by hand
+  for name in ('up', 'down'):
+    layer = trained[name]
+    getattr(reference, name).kernel[...] = layer['kernel'][...] + (
+        ALPHA / RANK * layer['lora_a'][...] @ layer['lora_b'][...])
+  x = jax.random.normal(jax.random.key(3), (6, 4))
+  want = reference(x)
+  assert_trees_close(kept(trained, x), want)
