@@ -103,6 +103,7 @@ def test_gpt2_greedy_decoding_unmerged_equals_merged():
   check_rewrite(kept.mox(trained, prompt, jnp.ones((3, 12), jnp.int32),
                          jnp.zeros((3, 6), jnp.int32),
                          model.init_cache(3, 12)))
+  assert kept.cache_size == 2  # the prompt's signature: no new trace
 
 
 # ================================================================= gemma 3
@@ -192,3 +193,8 @@ def test_gemma3_greedy_decoding_unmerged_equals_merged():
   assert not np.array_equal(
       _gemma_tokens(step, config, variables, prompt, 12), want)
   assert kept.cache_size == 2
+  check_rewrite(kept.mox(
+      trained, prompt, jnp.zeros((3, 5), jnp.int32),
+      config.init_cache(batch_size=3, dtype=jnp.float32, cache_length=12),
+      jnp.zeros((3, 5, 12), bool)))
+  assert kept.cache_size == 2  # the prompt's signature: no new trace

@@ -169,14 +169,15 @@ def _with_statics(fn, statics, *args, **kwargs):
 
 
 def _leaf_key(x):
-  """What a leaf contributes to the cache key: its abstract value for an
-  array (or tracer), its type for a Python number (traced, weakly typed),
-  itself for a static value."""
+  """What a leaf contributes to the cache key: shape, dtype and weak type
+  for an array (or tracer), the type for a Python number (traced, weakly
+  typed), the value itself for a static value."""
   if isinstance(x, (bool, str)) or not is_dynamic_arg(x):
     return ('static', type(x), x)
   if isinstance(x, (int, float, complex)):
     return ('number', type(x))
-  return jax.typeof(x)
+  aval = jax.typeof(x)  # the trace sees shape and dtype (see ``_spec``)
+  return (tuple(aval.shape), aval.dtype, getattr(aval, 'weak_type', False))
 
 
 def _spec(x):
@@ -185,7 +186,8 @@ def _spec(x):
   if isinstance(x, (bool, str, int, float, complex)) or not is_dynamic_arg(x):
     return x
   aval = jax.typeof(x)
-  return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+  return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype,
+                              weak_type=getattr(aval, 'weak_type', False))
 
 
 def _argument(args, kwargs, where):
