@@ -81,6 +81,7 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      describe,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_kernel
+from yax._src.rewrite.recipe import recorded
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
 from yax._src.version import __version__
@@ -165,6 +166,7 @@ class LoraResult:
     unmerge: ``unmerge(merged, trained)`` undoes ``merge``: params for
       ``mox`` whose kernels are ``merged``'s with ``trained``'s adapters
       taken out again.
+    recipe: this call recorded, to replay it on a new trace (``yax.keep``).
   """
   mox: Mox
   params: Any
@@ -174,6 +176,7 @@ class LoraResult:
   config: dict = dataclasses.field(default_factory=dict)
   train_mox: Mox | None = None
   unmerge: Callable[[Any, Any], Any] | None = None
+  recipe: Any = None
 
   def trainable_count(self, params=None) -> TrainableCount:
     """``(trainable, total)`` element counts of ``params`` (default
@@ -744,6 +747,7 @@ _DEFAULT_SELECTION = '//module_call[{}]'.format(
     ' or '.join(f'@type="{t}"' for t in LINEAR_TYPES))
 
 
+@recorded
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
          rank: int = 4, alpha: float = 1.0, key=None, init: str = 'default',
          rslora: bool = False, dropout: float = 0.0, dora: bool = False,
