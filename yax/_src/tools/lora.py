@@ -82,6 +82,7 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
 from yax._src.rewrite.quant_formats import dequantize_kernel
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
+from yax._src.tools import lora_files as _files
 
 
 class LoRA:
@@ -100,12 +101,41 @@ class LoraResult:
       adapter weights (for ``optax.masked`` / ``optax.multi_transform``).
     merge: ``merge(p)`` folds trained adapters in ``p`` into the kernels and
       returns a params tree for the ORIGINAL tree.
+    config: what made the adapters: the arguments of the ``lora`` call
+      (``selection``, ``rank``, ``alpha`` ...) and the adapted ``paths``.
   """
   mox: Mox
   params: Any
   mask: Any
   merge: Callable[[Any], Any]
   paths: list  # module paths that were adapted
+  config: dict = dataclasses.field(default_factory=dict)
+
+  def save(self, path, params=None, *, format: str = 'safetensors') -> None:
+    """Saves the adapters (the leaves ``.mask`` marks) and what made them.
+
+    **Arguments:**
+    - ``path``: a file (``format='safetensors'``: one file, every adapter
+      gathered to this host) or a new directory (``format='orbax'``:
+      ``orbax-checkpoint``, each process writes its own shards).
+    - ``params``: the params to take the adapters from (the trained ones),
+      with ``.params``' structure; ``.params`` if omitted.
+    - ``format``: ``'safetensors'`` or ``'orbax'``.
+
+    Keys are the params paths joined with ``'/'``; the file's metadata
+    records the ``lora`` arguments, the adapted paths, the YAX version, the
+    adapters' dtypes and the types of the other params (the model they fit).
+    ``yax.load_lora`` reads either format. Raises ``yax.AdapterFileError``
+    (writing nothing) for params that cannot be saved.
+
+    Example::
+
+        res = yax.lora(mox, variables, rank=8)
+        trained = ...  # res.params trained where res.mask is True
+        res.save('adapters.safetensors', trained)
+    """
+    _files.save(self, path, self.params if params is None else params,
+                format=format, lora=lora)
 
 
 
@@ -636,9 +666,41 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         '(run res.mox with the trained params), or adapt the other '
         'modules only to get mergeable adapters.\n' + leave_out_hint(
             heads, selection, chosen.targets))
+  config = dict(selection=selection, rank=rank, alpha=alpha,
+                paths=['/'.join(p) for p in paths])
   return LoraResult(new_mox, new_params, mask, functools.partial(
       merge, merges=tuple(merges), inside=inside, scale=scale,
-      refusal=refusal), paths)
+      refusal=refusal), paths, config)
+
+
+def load_lora(mox: Mox, params, path) -> LoraResult:
+  """Puts saved LoRA adapters on a freshly traced base model.
+
+  **Arguments:**
+  - ``mox``: the base model's tree, traced in this or another process (for
+    adapters made over a quantized base, QLoRA: the tree ``yax.quantize``
+    returned, quantized with the same arguments).
+  - ``params``: its params (as for ``yax.lora``).
+  - ``path``: what ``LoraResult.save`` wrote: a safetensors file or an
+    orbax directory.
+
+  **Returns:** the :class:`LoraResult` of ``lora`` re-run with the
+  recorded arguments, its ``.params`` holding the saved adapters, each on
+  the devices and sharding the fresh adapter has (an orbax checkpoint is
+  read shard by shard).
+
+  Raises ``yax.AdapterFileError`` when the file does not fit: a file made
+  for another model (the params path where they differ), or a missing,
+  extra or misshapen adapter (its params path).
+
+  Example::
+
+      mox = yax.make_mox(model.apply)(variables, x)   # a fresh process
+      res = yax.load_lora(mox, variables, 'adapters.safetensors')
+      y = yax.eval_mox(res.mox, res.params, x)
+  """
+  res, loaded = _files.load(mox, params, path, lora=lora)
+  return dataclasses.replace(res, params=loaded)
 
 
 def merge(trained, *, merges: tuple, inside: tuple, scale: float,
