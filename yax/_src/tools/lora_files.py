@@ -89,7 +89,8 @@ def adapters_of(params, mask) -> tuple[dict, dict]:
     only = sorted(params.keys() - flags.keys())
     missing = sorted(flags.keys() - params.keys())
     raise AdapterFileError(
-        'the params do not have the lora result\'s structure (its .mask\'s): '
+        'save: the params do not have the lora result\'s structure (its '
+        '.mask\'s): '
         + (f'params[{only[0]!r}] is not in it' if only else
            f'params[{missing[0]!r}] is missing'))
   marked = {p for p, (_, flag) in flags.items() if bool(unboxed(flag))}
@@ -132,7 +133,8 @@ def record(res, lora: Callable, adapters: dict, others: dict) -> dict:
     if not hasattr(value, 'shape') or not hasattr(value, 'dtype'):
       raise AdapterFileError(
           f'save: params[{path!r}] is a {type(value).__name__}, not an array')
-  paths = ['/'.join(map(str, p)) for p in (config.get('paths') or res.paths)]
+  paths = [p if isinstance(p, str) else '/'.join(map(str, p))
+           for p in res.paths]
   dtypes = sorted({np.dtype(unboxed(leaf).dtype).name
                    for _, leaf in adapters.values()})
   return {
