@@ -301,3 +301,84 @@ def test_a_tree_cannot_be_pickled_and_says_what_to_keep(mlp):
   shallow = copy.copy(res.mox)
   np.testing.assert_array_equal(yax.eval_mox(shallow, params, x),
                                 yax.eval_mox(res.mox, params, x))
+
+
+# Logical axis -> mesh axis, for the sharded model below on a 4 x 2 mesh.
+RULES = (('embed', 'fsdp'), ('mlp', 'tp'))
+
+
+class LogicalMLP(nn.Module):
+  """Dense layers whose kernels carry logical axis names (MaxText-style)."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    dense = lambda n, names, name: nn.Dense(
+        n, kernel_init=nn.with_logical_partitioning(init, names), name=name)
+    h = dense(4, ('embed', 'mlp'), 'up')(x)
+    return dense(8, ('mlp', 'embed'), 'out')(jnp.tanh(h))
+
+
+def logical_setup():
+  model = LogicalMLP()
+  x = jax.random.normal(jax.random.key(0), (8, 8))
+  variables = model.init(jax.random.key(1), x)
+  return model, x, variables
+
+
+SHARDED_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, sys
+import yax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from test_lora_files import RULES, logical_setup, TOL
+
+mesh = jax.make_mesh((4, 2), ('fsdp', 'tp'),
+                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+def on_mesh(tree):
+  specs = nn.logical_to_mesh(nn.get_partition_spec(tree), RULES)
+  return jax.device_put(tree, jax.tree.map(
+      lambda s: NamedSharding(mesh, s), specs,
+      is_leaf=lambda s: isinstance(s, P)))
+
+model, x, variables = logical_setup()
+want = np.load(DIR_PATH + '/want.npy')
+base = on_mesh(variables)
+# The file the test process saved, loaded here, on the mesh.
+loaded = yax.load_lora(yax.make_mox(model.apply)(base, x), base,
+                       DIR_PATH + '/one.safetensors')
+yax.check_mox(loaded.mox)
+p = loaded.params['params']
+assert p['up']['lora_a'].value.sharding.spec == P('fsdp', None), \\
+    p['up']['lora_a'].value.sharding
+assert p['up']['lora_b'].value.sharding.spec == P(None, 'tp')
+assert p['out']['lora_a'].value.sharding.spec == P('tp', None)
+np.testing.assert_allclose(yax.eval_mox(loaded.mox, loaded.params, x), want,
+                           **TOL)
+# Sharded adapters to orbax and back, shard by shard.
+loaded.save(DIR_PATH + '/ckpt', format='orbax')
+again = yax.load_lora(yax.make_mox(model.apply)(base, x), base,
+                      DIR_PATH + '/ckpt')
+b = again.params['params']['out']['lora_b'].value
+assert b.sharding.spec == P(None, 'fsdp') and len(b.sharding.device_set) == 8
+assert {s.data.shape for s in b.addressable_shards} == {(2, 2)}
+np.testing.assert_allclose(yax.eval_mox(again.mox, again.params, x), want,
+                           **TOL)
+print('SHARDED-ADAPTERS-OK')
+'''
+
+
+def test_sharded_adapters_load_on_a_mesh_in_another_process(tmp_path):
+  from helpers import run_on_host_devices
+  model, x, variables = logical_setup()
+  res = yax.lora(yax.make_mox(model.apply)(variables, x), variables,
+                 rank=RANK, alpha=ALPHA)
+  params = trained(res)
+  res.save(tmp_path / 'one.safetensors', params)
+  unboxed = nn.unbox(params)
+  want = plain_mlp(unboxed, x)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, params, x), want, **TOL)
+  np.save(tmp_path / 'want.npy', np.asarray(want))
+  run_on_host_devices(
+      f'DIR_PATH = {str(tmp_path)!r}\n' + SHARDED_SCRIPT, tmp_path,
+      'SHARDED-ADAPTERS-OK')
