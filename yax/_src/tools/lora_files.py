@@ -36,16 +36,17 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from yax._src.errors import AdapterFileError
+from yax._src.errors import AdapterFileError, XPathError
 from yax._src.ir.arguments import boxed_like, unboxed
 from yax._src.ir.containers import set_many
 from yax._src.ir.nodes import Mox
 from yax._src.version import __version__
+from yax._src.views.query import compile_xpath
 
 FORMAT = 'yax.lora'
 FORMAT_VERSION = '1'
 FORMATS = ('safetensors', 'orbax')
-_ORBAX_ITEMS = ('adapters', 'record')
+_NOT_XPATH = object()
 
 # safetensors' dtype names (its header) and numpy's; bfloat16 and the
 # float8 types come from ml_dtypes, which JAX depends on.
@@ -107,7 +108,10 @@ def _lora_arguments(lora: Callable, config: Mapping) -> dict:
   names = [n for n, p in inspect.signature(lora).parameters.items()
            if n not in ('mox', 'params', 'key')
            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-  return {n: config[n] for n in names if n in config}
+  arguments = {n: config[n] for n in names if n in config}
+  if 'dora' in names and 'dora' not in config and 'variant' in config:
+    arguments['dora'] = config['variant'] == 'dora'
+  return arguments
 
 
 def record(res, lora: Callable, adapters: dict, others: dict) -> dict:
@@ -119,7 +123,20 @@ def record(res, lora: Callable, adapters: dict, others: dict) -> dict:
         'save: this lora result does not record the arguments lora was '
         'called with (its .config has no selection), so a loader could not '
         'make the same adapters again')
+  for name in ('selection', 'train'):
+    value = arguments.get(name)
+    if isinstance(value, str):
+      try:
+        compile_xpath(value)
+      except XPathError:
+        # lora records a selection given as nodes by its description.
+        arguments[name] = _NOT_XPATH
   for name, value in arguments.items():
+    if value is _NOT_XPATH:
+      raise AdapterFileError(
+          f'save: lora was called with {name}= nodes (or matches), which '
+          'a file cannot record; call yax.lora with '
+          f'{name} as an XPath string to save its adapters')
     try:
       json.dumps(value)
     except TypeError:
