@@ -201,6 +201,13 @@ def test_a_file_made_for_another_model_says_so(mlp, tmp_path):
     yax.load_lora(yax.make_mox(wide.apply)(wide_vars, x), wide_vars, path)
   with pytest.raises(yax.AdapterFileError, match='no file or directory'):
     yax.load_lora(fresh(model, variables, x), variables, tmp_path / 'nope')
+  (tmp_path / 'junk.safetensors').write_text('hello')
+  with pytest.raises(yax.AdapterFileError, match='is not a safetensors file'):
+    yax.load_lora(fresh(model, variables, x), variables,
+                  tmp_path / 'junk.safetensors')
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(yax.AdapterFileError, match='is not an orbax checkpoint'):
+    yax.load_lora(fresh(model, variables, x), variables, tmp_path / 'empty')
 
 
 def test_save_refuses_what_a_file_cannot_record(mlp, tmp_path):

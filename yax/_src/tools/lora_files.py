@@ -273,14 +273,23 @@ def load(mox: Mox, params, path, *, lora: Callable):
   """``yax.load_lora`` (see its docstring in ``lora.py``)."""
   path = os.fspath(path)
   if os.path.isdir(path):
-    kind, meta, ocp = 'orbax', None, _orbax()
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-      meta = ckpt.restore(os.path.abspath(path), args=ocp.args.Composite(
-          record=ocp.args.JsonRestore())).record
+    kind, ocp = 'orbax', _orbax()
+    try:
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        meta = ckpt.restore(os.path.abspath(path), args=ocp.args.Composite(
+            record=ocp.args.JsonRestore())).record
+    except (KeyError, ValueError, FileNotFoundError) as e:
+      raise AdapterFileError(
+          f'load_lora: the directory {path} is not an orbax checkpoint of '
+          f'YAX LoRA adapters (res.save(path, format="orbax")): {e}') from e
   elif os.path.isfile(path):
     kind, st = 'safetensors', _safetensors()
-    with st.safe_open(path, framework='np') as f:
-      meta = f.metadata()
+    try:
+      with st.safe_open(path, framework='np') as f:
+        meta = f.metadata()
+    except st.SafetensorError as e:
+      raise AdapterFileError(
+          f'load_lora: {path} is not a safetensors file: {e}') from e
   else:
     raise AdapterFileError(f'load_lora: no file or directory at {path}')
   where = f'{kind} adapters {path}'
