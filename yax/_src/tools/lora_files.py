@@ -3,9 +3,12 @@
 A file holds the leaves a ``lora`` result's ``.mask`` marks (the adapters,
 and any other params ``lora`` was told to train), each under its params
 path joined with ``'/'`` (``params/dense/lora_a``), and what made them:
-the arguments of the ``lora`` call (selection, rank, alpha, variant ...),
-the adapted module paths, the YAX version, the adapters' types, and the
-type of every other leaf of the params (the model they were made for).
+the arguments of the ``lora`` call that ``load_lora`` re-runs (selection,
+rank, alpha, ...; metadata ``lora``), the result's whole ``.config``
+(variant, scale, init ...; ``config``), the adapted module paths
+(``paths``), the YAX version, the adapters' dtypes (``dtype``) and types
+(``adapters``), and the type of every other leaf of the params, the model
+they were made for (``model``).
 
 Two formats:
 
@@ -154,11 +157,17 @@ def record(res, lora: Callable, adapters: dict, others: dict) -> dict:
            for p in res.paths]
   dtypes = sorted({np.dtype(unboxed(leaf).dtype).name
                    for _, leaf in adapters.values()})
+  try:
+    made = json.dumps(config)
+  except TypeError as e:
+    raise AdapterFileError(
+        f'save: the lora result\'s .config is not JSON-ready ({e})') from None
   return {
       'format': FORMAT,
       'format_version': FORMAT_VERSION,
       'yax_version': __version__,
       'lora': json.dumps(arguments),
+      'config': made,
       'paths': json.dumps(paths),
       'dtype': ','.join(dtypes),
       'adapters': json.dumps({p: type_str(unboxed(leaf))
