@@ -51,6 +51,9 @@ from yax._src.tools.lora import load_lora as load_lora
 from yax._src.rewrite.engine import sub as sub
 from yax._src.report.summary import SummaryRow as SummaryRow
 from yax._src.report.summary import summary as summary
+from yax._src.report.memory import MemoryReport as MemoryReport
+from yax._src.report.memory import MemoryRow as MemoryRow
+from yax._src.report.memory import memory_report as memory_report
 from yax._src.trace.make import make_mox as make_mox
 
 from yax._src.version import __version__ as __version__

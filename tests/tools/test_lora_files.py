@@ -390,3 +390,50 @@ def test_sharded_adapters_load_on_a_mesh_in_another_process(tmp_path):
   run_on_host_devices(
       f'DIR_PATH = {str(tmp_path)!r}\n' + SHARDED_SCRIPT, tmp_path,
       'SHARDED-ADAPTERS-OK')
+
+
+@pytest.mark.parametrize('options', [
+    dict(dora=True),
+    dict(init='svd'),
+    dict(rslora=True, dropout=0.25, init='gaussian'),
+    dict(train='//module_call[@path="out"]', train_names=('bias',)),
+], ids=['dora', 'svd', 'rslora-dropout', 'train-bias'])
+def test_lora_options_are_recorded_and_made_again(mlp, tmp_path, options):
+  model, x, variables, _, _ = mlp
+  res = yax.lora(fresh(model, variables, x), variables,
+                 '//module_call[@type="Dense"]', rank=RANK, alpha=ALPHA,
+                 **options)
+  params = trained(res)
+  res.save(tmp_path / 'a.safetensors', params)
+  saved = load_file(tmp_path / 'a.safetensors')
+  marked = [p for p, m in zip(
+      jax.tree_util.tree_flatten_with_path(res.mask)[0], jax.tree.leaves(
+          res.mask)) if m]
+  assert len(saved) == len(marked)
+  loaded = yax.load_lora(fresh(model, variables, x), variables,
+                         tmp_path / 'a.safetensors')
+  yax.check_mox(loaded.mox)
+  assert loaded.config == res.config
+  for got, want in zip(jax.tree.leaves(loaded.params),
+                       jax.tree.leaves(params)):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(yax.eval_mox(loaded.mox, loaded.params, x),
+                                yax.eval_mox(res.mox, params, x))
+
+
+def test_named_adapters_load_one_after_the_other(mlp, tmp_path):
+  model, x, variables, _, _ = mlp
+  dense = '//module_call[@type="Dense"]'
+  res_a = yax.lora(fresh(model, variables, x), variables, dense, rank=RANK,
+                   adapter_name='a')
+  pa = trained(res_a, seed=2)
+  res_b = yax.lora(res_a.mox, pa, dense, rank=RANK, adapter_name='b')
+  pb = trained(res_b, seed=3)
+  res_a.save(tmp_path / 'a.safetensors', pa)
+  res_b.save(tmp_path / 'b.safetensors', pb)
+  la = yax.load_lora(fresh(model, variables, x), variables,
+                     tmp_path / 'a.safetensors')
+  lb = yax.load_lora(la.mox, la.params, tmp_path / 'b.safetensors')
+  yax.check_mox(lb.mox)
+  np.testing.assert_array_equal(yax.eval_mox(lb.mox, lb.params, x),
+                                yax.eval_mox(res_b.mox, pb, x))
