@@ -172,3 +172,15 @@ def scan_params_with_inputs(params, new_consts: int, new_xs: int) -> dict:
       (xs, _flattree.nones(new_xs)))))
 
 
+def name_stack_text(eqn) -> str:
+  """The ``jax.named_scope`` stack an equation of a ``jax.make_jaxpr``
+  result was traced under, as text (``jvp(yax.call3)/yax.call5``).
+
+  Why: ``JaxprEqn.source_info.name_stack`` is where JAX records named
+  scopes (its own ``saved_residuals`` and profiler names read it); no
+  public function returns it. ``yax.memory_report`` attributes residuals
+  to module calls by the scopes it opens around them. ``''`` when absent.
+  """
+  info = getattr(eqn, 'source_info', None)
+  stack = getattr(info, 'name_stack', None)
+  return '' if stack is None else str(stack)
