@@ -20,6 +20,7 @@ Usage::
     python benchmarks/trace_eval.py --small    # tiny configs (seconds)
     python benchmarks/trace_eval.py --trace-only   # tracing rows only
     python benchmarks/trace_eval.py --nnx      # only the NNX Transformer
+    python benchmarks/trace_eval.py --equinox  # only eqx-zoo's Qwen 3 MoE
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ def main(argv=None):
                       '(steadier on a loaded machine)')
   parser.add_argument('--trace-only', action='store_true',
                       help='measure tracing (and its floor) only')
+  parser.add_argument('--equinox', action='store_true',
+                      help="only eqx-zoo's Qwen 3 MoE causal LM (Equinox): "
+                      'tracing against its floor')
   args = parser.parse_args(argv)
   global CLOCK
   CLOCK = time.process_time if args.clock == 'cpu' else time.perf_counter
@@ -214,6 +218,9 @@ def main(argv=None):
           else {'trace': 11, 'first': 5, 'steady': 50, 'eager': 9})
   if args.repeats:
     reps['steady'] = args.repeats
+  if args.equinox:
+    equinox_section(args.small, reps)
+    return
 
   results = {}
   models = build_models(args.small)
@@ -261,6 +268,54 @@ def main(argv=None):
     cell = f'{"yes" if a == b else "NO"} ({a:.3g} / {b:.3g})'
     row += f' | {cell:^{width}}'
   print(row)
+
+
+# ----------------------------------------------------------------- Equinox
+
+def equinox_section(small: bool, reps: dict) -> None:
+  """eqx-zoo's Qwen 3 MoE causal LM (random weights): ``yax.make_mox`` of
+  ``lambda m, ids: m(ids)[0]`` against ``jax.make_jaxpr`` of it, and the
+  floor of any tracer that wraps Equinox module methods (Equinox has no
+  interceptor): ``make_jaxpr`` while YAX's class wrappers are installed but
+  record nothing. Goal: the trace ratio within 0.2 of its floor."""
+  import eqx_zoo
+
+  from yax._src.trace import equinox as _eqx
+  size = (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               num_experts=4, moe_intermediate_size=16, moe_layers=(0, 1))
+          if small else
+          dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+               num_experts=8, moe_intermediate_size=128,
+               moe_layers=tuple(range(8))))
+  cfg = eqx_zoo.Config(
+      architecture='Qwen3MoeForCausalLM', vocab_size=1000, rms_norm_eps=1e-6,
+      rope_theta=1e4, tie_word_embeddings=False, attention_bias=False,
+      qk_norm=True, rope_scaling=None, num_experts_per_tok=2, **size)
+  model = eqx_zoo.CausalLM(cfg, key=jax.random.key(0))
+  ids = jnp.arange(16 if small else 128) % 1000
+  make_fn = lambda: lambda m, ids: m(ids)[0]  # noqa: E731 (fresh each time)
+
+  def floor(fn, *args):
+    with _eqx.patched_classes():
+      return _plain(fn, *args)
+
+  traced = interleaved(lambda: _recorded(make_fn(), model, ids),
+                       lambda: _plain(make_fn(), model, ids), reps['trace'])
+  floored = interleaved(lambda: floor(make_fn(), model, ids),
+                        lambda: _plain(make_fn(), model, ids), reps['trace'])
+  mox = yax.make_mox(make_fn())(model, ids)
+  n_eqns = sum(1 for _ in yax._src.ir.nodes.leaf_equations(mox))
+  n_mods = sum(1 for n in yax._src.ir.nodes.iter_nodes(mox)
+               if isinstance(n, yax.Mox) and not n.is_ephemeral)
+  print(f'eqx-zoo Qwen 3 MoE ({cfg.num_hidden_layers} layers, width '
+        f'{cfg.hidden_size}, ids {tuple(ids.shape)}): {n_eqns} equations, '
+        f'{n_mods} module calls; medians')
+  print(f'trace   {fmt_time(traced[0]):>10} / {fmt_time(traced[1]):>10} = '
+        f'{traced[0] / traced[1]:5.2f}')
+  print(f'(floor) {fmt_time(floored[0]):>10} / {fmt_time(floored[1]):>10} = '
+        f'{floored[0] / floored[1]:5.2f}   goal: trace <= floor + 0.2')
 
 
 # ----------------------------------------------------------------- NNX

@@ -187,6 +187,8 @@ def abstract(tree):
   """``tree`` with each array leaf a ``jax.ShapeDtypeStruct`` (named
   shardings kept, so that a replay places new variables the same way)."""
   def leaf(x):
+    if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+      return x  # not an array: a static leaf (an Equinox module's function)
     aval = jax.typeof(x)
     sharding = getattr(x, 'sharding', None)
     if not isinstance(sharding, jax.sharding.NamedSharding):

@@ -153,13 +153,10 @@ def _restore_classes() -> None:
 
 
 @contextlib.contextmanager
-def tracing(args, kwargs):
-  """Module methods wrapped, and the modules among ``(args, kwargs)``
-  indexed at their paths, while the block runs (nested and threaded traces
-  share one patch; the last to leave restores the classes)."""
-  if eqx is None:
-    yield
-    return
+def patched_classes():
+  """Module methods wrapped while the block runs (nested and threaded
+  traces share one patch; the last to leave restores the classes). The
+  wrappers record nothing on a thread with no trace context."""
   global _patch_users
   with _patch_lock:
     _patch_users += 1
@@ -170,16 +167,29 @@ def tracing(args, kwargs):
       if not _patch_users:
         _restore_classes()
       raise
-  saved = getattr(_local, 'ctx', None)
-  _local.ctx = _Context(args, kwargs)
   try:
     yield
   finally:
-    _local.ctx = saved
     with _patch_lock:
       _patch_users -= 1
       if not _patch_users:
         _restore_classes()
+
+
+@contextlib.contextmanager
+def tracing(args, kwargs):
+  """Module methods wrapped, and the modules among ``(args, kwargs)``
+  indexed at their paths, while the block runs."""
+  if eqx is None:
+    yield
+    return
+  with patched_classes():
+    saved = getattr(_local, 'ctx', None)
+    _local.ctx = _Context(args, kwargs)
+    try:
+      yield
+    finally:
+      _local.ctx = saved
 
 
 # ------------------------------------------------------------ paths
