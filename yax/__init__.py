@@ -8,6 +8,7 @@
 from yax._src.tools.cast import cast as cast
 from yax._src.ir.check import InvariantError as InvariantError
 from yax._src.ir.check import check_mox as check_mox
+from yax._src.errors import AdapterFileError as AdapterFileError
 from yax._src.errors import EvaluationError as EvaluationError
 from yax._src.errors import PatternError as PatternError
 from yax._src.errors import SignatureError as SignatureError
@@ -38,6 +39,7 @@ from yax._src.tools.quantize import QuantizeResult as QuantizeResult
 from yax._src.tools.quantize import quantize as quantize
 from yax._src.tools.randomized import randomized_linear as randomized_linear
 from yax._src.tools.remat import remat as remat
+from yax._src.tools.lean_norm import lean_norm as lean_norm
 from yax._src.views.query import query as query
 from yax._src.views.serialize import dump_xml as dump_xml
 from yax._src.views.serialize import dump_yson as dump_yson
@@ -48,6 +50,7 @@ from yax._src.tools.keep import Kept as Kept
 from yax._src.tools.keep import keep as keep
 from yax._src.tools.lora import LoraResult as LoraResult
 from yax._src.tools.lora import lora as lora
+from yax._src.tools.lora import load_lora as load_lora
 from yax._src.rewrite.engine import sub as sub
 from yax._src.rewrite.recipe import Applied as Applied
 from yax._src.rewrite.recipe import Recipe as Recipe
