@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import yax
 
@@ -98,3 +99,67 @@ def test_qlora_and_init_params_on_a_vmap_stack_with_an_unbatched_input():
   np.testing.assert_allclose(
       yax.eval_mox(res.mox, full, x),
       jnp.stack([x @ deq[s] + k['bias'][s] for s in range(3)]), **TOL)
+
+
+class TwoKernels(nn.Module):
+  """Two kernels contracted in the body (each at its own dot_general,
+  through a ReLU, so adapted in place); ``w2`` is also contracted with
+  itself, which no adapter fits."""
+
+  @nn.compact
+  def __call__(self, x):
+    w1 = self.param('w1', nn.initializers.normal(1.0), (5, 4))
+    w2 = self.param('w2', nn.initializers.normal(1.0), (4, 4))
+    h = jax.nn.relu(x @ w1)
+    return h @ w2 + (w2 @ w2).sum()
+
+
+def test_a_call_with_kernels_that_fit_and_one_that_does_not_is_refused():
+  # Before: lora and quantize rewrote w1 and silently left w2 as it was.
+  x = jnp.ones((2, 5))
+  model = TwoKernels()
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  for tool in (yax.lora, yax.quantize):
+    with pytest.raises(yax.SubstitutionError) as info:
+      tool(mox, variables, '//module_call[@type="TwoKernels"]')
+    message = str(info.value)
+    assert 'params/w1' in message and 'params/w2' in message
+    assert 'not others is refused' in message
+    # The last line selects what the tool can do: nothing here.
+    assert yax.query(message.splitlines()[-1].strip(), mox) == []
+
+
+class Experts(nn.Module):
+  """A MoE's experts, [experts, in, out], contracted by ragged_dot."""
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    w = self.param('experts', nn.initializers.normal(1.0), (3, 5, 4))
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+def test_init_params_keeps_the_scale_record_under_in_place_lora():
+  # QLoRA adapts a ragged_dot's experts in place, in the call's body; the
+  # call, given new variables, lost its class and init_params its record
+  # of the scales: "params lacks ... experts_scale ... no module call of
+  # the tree declares it".
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  sizes = jnp.array([2, 3, 1], jnp.int32)
+  model = Experts()
+  variables = model.init(jax.random.key(1), x, sizes)
+  mox = yax.make_mox(model.apply)(variables, x, sizes)
+  select = '//module_call[@type="Experts"]'
+  q = yax.quantize(mox, variables, select, weight='int8')
+  res = yax.lora(q.mox, q.params, select, rank=2)
+  yax.check_mox(res.mox)
+  full = yax.init_params(res.mox, variables, key=jax.random.key(2))
+  got = full['params']
+  np.testing.assert_array_equal(got['experts'], q.params['params']['experts'])
+  np.testing.assert_array_equal(got['experts_scale'],
+                                q.params['params']['experts_scale'])
+  assert got['lora_a'].shape == (3, 5, 2) and got['lora_b'].shape == (3, 2, 4)
+  deq = int8_per_slice(variables['params']['experts'])
+  np.testing.assert_allclose(yax.eval_mox(res.mox, full, x, sizes),
+                             jax.lax.ragged_dot(x, jnp.asarray(deq), sizes),
+                             **TOL)

@@ -603,23 +603,53 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
   call where :func:`kernel_plan` finds one; else each of its kernels
   adapted in place, at the contraction that reads it (``KernelPlan.site``:
   a MoE's expert kernels, a kernel whose output goes through an
-  activation before the module returns it). Kernels with no such
-  contraction are left out; the reason of :func:`kernel_plan` when none
-  has one."""
+  activation before the module returns it). A parameter that reaches no
+  contraction (an embedding table, a norm's scale) is no kernel; a kernel
+  that reaches one but fits no rewrite, next to kernels that do, makes the
+  whole call refused, naming it and why (never some kernels of a call
+  rewritten and others silently not); the reason of :func:`kernel_plan`
+  when none fits."""
   one = kernel_plan(node, rank)
   if isinstance(one, KernelPlan):
     return [one]
-  plans = []
+  keys = var_keys(node)
+  plans, left = [], []
   for i in _own_params(node):
     if node.var_inputs[i].aval is None or node.var_inputs[i].aval.ndim < 2:
       continue
     got = find_site(node, i)
-    if isinstance(got, str):
-      continue
-    plan = _plan(node, i, got[0], rank, site=got[1])
+    plan = got if isinstance(got, str) else _plan(node, i, got[0], rank,
+                                                  site=got[1])
     if isinstance(plan, KernelPlan):
       plans.append(plan)
+    elif _reaches_contraction(node, i):
+      left.append((keys[i], f"{'/'.join(keys[i])} ({plan})"))
+  # A quantized kernel's scales reach its contraction as part of it.
+  scales = {(*p.kernel_keys[:-1], f'{p.kernel_name}_scale') for p in plans
+            if p.quant is not None}
+  left = [why for k, why in left if tuple(k) not in scales]
+  if plans and left:
+    done = ', '.join('/'.join(p.kernel_keys) for p in plans)
+    return (f'it contracts kernels that fit ({done}) and kernels that do '
+            f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
+            'and not others is refused')
   return plans or one
+
+
+def _reaches_contraction(node: Mox, index: int) -> bool:
+  """Whether ``node``'s variable input ``index``, or a value computed
+  from it in the call's body, is an operand of a contraction."""
+  flat = _Flattener()
+  flat.node_children(node.children)
+  reached = {flat.canon(node.inputs[index])}
+  for eqn in flat.eqns:
+    if not any(not _is_literal(s) and s in reached for s in eqn.inputs):
+      continue
+    name = eqn.prim.name if eqn.prim is not None else None
+    if name in CONTRACTIONS or name == RAGGED:
+      return True
+    reached.update(flat.canon(s) for s in eqn.outputs)
+  return False
 
 
 def _plan(node: Mox, index: int, c: Contraction, rank: int,

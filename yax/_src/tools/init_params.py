@@ -42,11 +42,15 @@ def _declared(mox: Mox) -> dict:
   rewrite added it), else the first call in evaluation order that holds
   it as its own."""
   out = {}
+  # A call that a later rewrite gave new variables (LoRA adapting a
+  # quantized kernel in place, in its body) is rebuilt without its class,
+  # its records kept: they count too.
+  for node in iter_nodes(mox):
+    if isinstance(node, Mox):
+      for keys in node.inits or ():
+        out.setdefault((keys[0], *node.path, *keys[1:]), node)
   nodes = [n for n in iter_nodes(mox)
            if isinstance(n, Mox) and not n.is_ephemeral]
-  for node in nodes:
-    for keys in node.inits or ():
-      out.setdefault((keys[0], *node.path, *keys[1:]), node)
   for node in nodes:
     for entry in var_entries(node):
       if len(entry.rel_path) == 1:
