@@ -504,3 +504,37 @@ def test_a_policy_object_shows_the_spec_name(stack_mox):
     new = yax.remat(stack_mox, '//module_call[@type="Block"]', policy=policy)
     assert xml(new).count(f'remat="{policy.__name__}"') == 2
   assert jax.checkpoint_policies.dots_saveable.__name__ == 'dots_saveable'
+
+
+class DropBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.5, deterministic=False)(nn.Dense(8)(x))
+
+
+class DropNet(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(DropBlock) if self.remat else DropBlock
+    return nn.Dense(3)(block(name='block')(x))
+
+
+def test_remat_of_a_block_drawing_a_dropout_key_equals_nn_remat():
+  """rngs={'dropout': key}. Failed before: 'reads a value of type
+  key<fry>[] that is neither an input of the call nor computed in it'."""
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  v = DropNet().init(jax.random.key(0), x)
+  k = jax.random.key(5)
+  apply = lambda remat: lambda v, x: DropNet(remat=remat).apply(
+      v, x, rngs={'dropout': k})
+  mox = yax.make_mox(lambda v, x, k: DropNet().apply(
+      v, x, rngs={'dropout': k}))(v, x, k)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="DropBlock"]'))
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x, k))
+  theirs = loss_of(apply(True))
+  assert_trees_close(yax.eval_mox(new, v, x, k), apply(True)(v, x))
+  assert_trees_close(jax.grad(mine)(v, x), jax.grad(theirs)(v, x),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v, x) == saved_residuals(theirs, v, x)
