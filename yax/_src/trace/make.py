@@ -206,6 +206,12 @@ def own_variables(module: nn.Module) -> dict:
   return own
 
 
+# Primitives whose body's outputs are the equation's outputs and whose
+# body's inputs are the equation's inputs, one for one: an output the body
+# forwards from an input is that input.
+_FORWARDING = frozenset({'jit', 'pjit'})
+
+
 # The collection a Linen call lists the RNG keys it draws from under.
 RNGS = 'rngs'
 
@@ -649,6 +655,17 @@ class _Builder:
         forms.append(form)
         params.pop(name, None)
     outputs = [self.bind(v) for v in eqn.outvars]
+    if eqn.primitive.name in _FORWARDING and 'jaxpr' in eqn.params:
+      # A jit body that gives back one of its inputs as it is (an
+      # ``nnx.jit`` method returns every Variable of its module, changed or
+      # not): what reads that output reads the input, so a kernel passed
+      # through stays the parameter it is, not a value computed by the jit.
+      body = _lower.open_part(eqn.params['jaxpr'])
+      position = {v: j for j, v in enumerate(body.invars)}
+      for i, v in enumerate(body.outvars):
+        j = position.get(v) if not isinstance(v, jex.Literal) else None
+        if j is not None and not isinstance(eqn.outvars[i], _lower.JaxDropVar):
+          self.env[eqn.outvars[i]] = inputs[j]
     built = Equation(eqn.primitive, inputs, outputs, params, children=bodies,
                      body_keys=keys, body_forms=forms, effects=eqn.effects,
                      source_info=eqn.source_info, ctx=eqn.ctx)
