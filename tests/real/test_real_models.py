@@ -312,9 +312,8 @@ def _int8_reference(w, contracted):
   the ``contracted`` axes), written here independently of yax."""
   w = np.asarray(w, np.float32)
   absmax = np.abs(w).max(axis=contracted, keepdims=True)
-  scale = np.where(absmax > 0, absmax / 127.5, 1.0)
-  x = np.where(np.abs(w) == absmax, np.sign(w) * 127.5, w / scale)
-  return np.clip(np.round(x), -128, 127) * scale
+  scale = np.where(absmax > 0, absmax / 127.0, 1.0)
+  return np.clip(np.round(w / scale), -127, 127) * scale
 
 
 def test_gemma_quantize_matches_the_dequantized_model(gemma):

@@ -322,6 +322,33 @@ def test_unknown_primitives_are_reported():
   assert 'Not counted (no FLOP rule): yax_test_unknown' in text
 
 
+class _TopKGate(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    values, _ = jax.lax.top_k(nn.Dense(8, name='router')(x), 2)
+    return values
+
+
+class _RematGate(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(_TopKGate)(name='gate')(x)
+
+
+def test_remat_bodies_and_top_k_are_counted():
+  # Before: nn.remat's `remat2` and `top_k` had no FLOP rule; the summary
+  # said so ("Not counted").
+  x = jnp.ones((4, 6))
+  model = _RematGate()
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  assert _flops.uncounted_primitives(_summary.leaf_equations(mox)) == set()
+  # The router: 2 * 4 * 6 * 8 for the matmul, 4 * 8 for the bias; top_k one
+  # comparison per element of its 4 x 8 operand.
+  assert _summary.flops(mox) == 2 * 4 * 6 * 8 + 4 * 8 + 4 * 8
+  assert 'Not counted' not in _summary.format_summary(mox)
+
+
 # --------------------------------------------------------------- rendering
 
 def _words(row) -> set[str]:

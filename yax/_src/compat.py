@@ -208,3 +208,17 @@ def linen_variable_names(scope) -> list[tuple[str, str]]:
   return [(col, name) for name, cols in reserved.items() for col in cols
           if col is not None]
 
+
+
+def name_stack_text(eqn) -> str:
+  """The ``jax.named_scope`` stack an equation of a ``jax.make_jaxpr``
+  result was traced under, as text (``jvp(yax.call3)/yax.call5``).
+
+  Why: ``JaxprEqn.source_info.name_stack`` is where JAX records named
+  scopes (its own ``saved_residuals`` and profiler names read it); no
+  public function returns it. ``yax.memory_report`` attributes residuals
+  to module calls by the scopes it opens around them. ``''`` when absent.
+  """
+  info = getattr(eqn, 'source_info', None)
+  stack = getattr(info, 'name_stack', None)
+  return '' if stack is None else str(stack)
