@@ -17,6 +17,9 @@ START = time.perf_counter()
 
 import jax
 
+# Cross-process collectives on CPU: gloo (already the default from jax 0.8.0
+# to 0.12; said here because without it a CPU computation spanning two
+# processes cannot run).
 jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 PROCESS, COUNT, PORT, DIR = (int(sys.argv[1]), int(sys.argv[2]),
                              int(sys.argv[3]), sys.argv[4])

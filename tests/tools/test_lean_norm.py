@@ -43,7 +43,7 @@ def loss(apply):
 @hypothesis.given(rows=st.integers(1, 7), features=st.integers(2, 24),
                   lead=st.integers(1, 3),
                   epsilon=st.sampled_from([1e-6, 1e-5, 0.1]))
-@hypothesis.settings(max_examples=3, deadline=None)
+@hypothesis.settings(max_examples=2, deadline=None)
 def test_outputs_and_gradients_are_the_originals(rows, features, lead,
                                                  epsilon):
   model = Net(features, epsilon)

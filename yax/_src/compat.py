@@ -172,6 +172,17 @@ def scan_params_with_inputs(params, new_consts: int, new_xs: int) -> dict:
       (xs, _flattree.nones(new_xs)))))
 
 
+def linen_rng_keys(scope) -> dict:
+  """The key behind each RNG stream of a bound Linen module's scope (what
+  ``apply`` was given: ``rngs={'dropout': key}``), by stream name.
+
+  Why: a module call that draws from a stream reads that key, so the key
+  is a variable the call may read; ``Scope.rngs`` (``flax.core.scope``)
+  holds each in a ``LazyRng``, whose ``rng`` is the key."""
+  rngs = getattr(scope, 'rngs', None) or {}
+  return {name: getattr(lazy, 'rng', None) for name, lazy in rngs.items()}
+
+
 def name_stack_text(eqn) -> str:
   """The ``jax.named_scope`` stack an equation of a ``jax.make_jaxpr``
   result was traced under, as text (``jvp(yax.call3)/yax.call5``).

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
+from yax._src.compat import linen_rng_keys
 from yax._src.errors import TraceError, TraceWarning
 from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
@@ -100,7 +101,15 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
   # Every variable the module reaches (its own, dict-valued ones included,
   # and its submodules' scopes, as ``module.variables`` nests them) rides
   # in the marker; the tree builder keeps those the call's body reads.
-  var_leaves, var_tree = tree_flatten(_traced_only(dict(module.variables)))
+  # The keys of the RNG streams given to ``apply`` ride along too, under
+  # the collection ``rngs``: a call that draws from a stream (Dropout's
+  # ``make_rng('dropout')``) reads its key.
+  reachable = dict(module.variables)
+  keys = {name: key for name, key in linen_rng_keys(module.scope).items()
+          if is_traced_value(key)}
+  if keys and RNGS not in reachable:
+    reachable[RNGS] = keys
+  var_leaves, var_tree = tree_flatten(_traced_only(reachable))
   bridged = _nnx.bridged_class(module)
   if bridged is not None:
     # Flax's ToLinen: an NNX model built and run inside this call, its
@@ -136,6 +145,16 @@ def _traced_only(tree):
 _trace_context = jax.make_user_context(default_value=None)
 _WITH_MARKERS = 'yax: module call markers'
 
+
+
+# Primitives whose body's outputs are the equation's outputs and whose
+# body's inputs are the equation's inputs, one for one: an output the body
+# forwards from an input is that input.
+_FORWARDING = frozenset({'jit', 'pjit'})
+
+
+# The collection a Linen call lists the RNG keys it draws from under.
+RNGS = 'rngs'
 
 
 # ------------------------------------------------------------ make_mox
@@ -527,6 +546,17 @@ class _Builder:
         forms.append(form)
         params.pop(name, None)
     outputs = [self.bind(v) for v in eqn.outvars]
+    if eqn.primitive.name in _FORWARDING and 'jaxpr' in eqn.params:
+      # A jit body that gives back one of its inputs as it is (an
+      # ``nnx.jit`` method returns every Variable of its module, changed or
+      # not): what reads that output reads the input, so a kernel passed
+      # through stays the parameter it is, not a value computed by the jit.
+      body = _lower.open_part(eqn.params['jaxpr'])
+      position = {v: j for j, v in enumerate(body.invars)}
+      for i, v in enumerate(body.outvars):
+        j = position.get(v) if not isinstance(v, jex.Literal) else None
+        if j is not None and not isinstance(eqn.outvars[i], _lower.JaxDropVar):
+          self.env[eqn.outvars[i]] = inputs[j]
     built = Equation(eqn.primitive, inputs, outputs, params, children=bodies,
                      body_keys=keys, body_forms=forms, effects=eqn.effects,
                      source_info=eqn.source_info, ctx=eqn.ctx)
