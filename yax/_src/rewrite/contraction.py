@@ -676,7 +676,7 @@ def _stacked_axes(node: Mox, index: int, batch: list) -> tuple:
   the module itself declares at the call's argument shapes. (A batch axis
   the module declares, as ``DenseGeneral(batch_dims=...)``'s, is a kernel
   axis like any other.)"""
-  cls = node.module_ty
+  cls = node.rebuild_ty
   if not batch or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
     return ()
   keys = var_keys(node)[index]

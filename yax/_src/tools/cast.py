@@ -59,7 +59,7 @@ def _is_float(x) -> bool:
 
 
 def _rebuilt(node: Mox, dtype):
-  cls = node.module_ty
+  cls = node.rebuild_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
     raise _Refused(f'internal: {node.type_name} is not a Linen module')
   fields = {f.name for f in dataclasses.fields(cls)
@@ -166,7 +166,8 @@ def _replayed(node: Mox, dtype, output=None) -> Mox:
     params['dtype'] = dtype
   call = Mox(root.inputs, root.outputs, params,
              children=[_prefixed(c, node.path) for c in root.children],
-             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             module_ty=node.module_ty, rewritten=node.rewritten,
+             entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(root.inputs, root.outputs, {}, children=[call],
@@ -175,7 +176,7 @@ def _replayed(node: Mox, dtype, output=None) -> Mox:
 
 def _recast(node: Mox, dtype, output) -> Mox:
   """A replacement for ``node``: the module traced again at ``dtype``."""
-  cls = node.module_ty
+  cls = node.rebuild_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
     return _replayed(node, dtype, output)
   module, has_dtype = _rebuilt(node, dtype)
@@ -232,7 +233,8 @@ def _recast(node: Mox, dtype, output) -> Mox:
     params['dtype'] = dtype
   params['compute_dtype'] = dtype.name
   call = Mox(root.inputs, root.outputs, params, children=children,
-             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             module_ty=node.module_ty, rewritten=node.rewritten,
+             entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(root.inputs, root.outputs, {}, children=[call],

@@ -61,6 +61,8 @@ def _pp_module_call(eqn, context, settings):
   attrs = [(k, v) for k, v in module_attributes(mox)]
   if mox.is_ephemeral:
     attrs.insert(0, ('ephemeral', 'True'))
+  if mox.rewritten:
+    attrs.append(('rewritten', 'True'))
   skeleton = _compat.pp_jaxpr_skeleton(
       body, lambda: _compat.pp_eqns(body.eqns, context, settings),
       context, settings)
