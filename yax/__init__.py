@@ -18,6 +18,7 @@ from yax._src.errors import XPathError as XPathError
 from yax._src.errors import YaxError as YaxError
 from yax._src.trace.eval import Interpreter as Interpreter
 from yax._src.report.explorer import to_model_explorer as to_model_explorer
+from yax._src.report.export import export as export
 from yax._src.tools.fewbit import fewbit as fewbit
 from yax._src.trace.eval import eval_mox as eval_mox
 from yax._src.ir.lower import to_jaxpr as to_jaxpr
