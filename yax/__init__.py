@@ -50,6 +50,12 @@ from yax._src.tools.lora import lora as lora
 from yax._src.rewrite.engine import sub as sub
 from yax._src.report.summary import SummaryRow as SummaryRow
 from yax._src.report.summary import summary as summary
+from yax._src.report.summary import format_summary as format_summary
+from yax._src.report.summary import print_table as print_summary
+from yax._src.report.html import notebook_html as notebook_html
+from yax._src.report.html import render_html as render_html
+from yax._src.report.html import write_html as write_html
+from yax._src.views.printing import pformat as pformat
 from yax._src.trace.make import make_mox as make_mox
 
 from yax._src.version import __version__ as __version__

@@ -331,6 +331,10 @@ class Mox(Expr):
     """The tree as JSON text (same content as the XML view)."""
     return _view('json')(self, indent=indent)
 
+  def _repr_html_(self) -> str:
+    """The HTML viewer in a notebook cell (``yax.notebook_html``)."""
+    return _view('html')(self)
+
 
 EMPTY_TREE = jax.tree_util.tree_structure(())
 
@@ -344,7 +348,8 @@ VIEWS: dict[str, Callable[..., Any]] = {}
 
 def register_view(kind: str, fn: Callable[..., Any]) -> None:
   """Sets the function behind a view of a node: ``'text'`` (``str``),
-  ``'dict'`` (``Mox.to_dict``) or ``'json'`` (``Mox.to_json``)."""
+  ``'dict'`` (``Mox.to_dict``), ``'json'`` (``Mox.to_json``) or ``'html'``
+  (``Mox._repr_html_``, a notebook's view)."""
   VIEWS[kind] = fn
 
 
