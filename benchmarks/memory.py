@@ -23,7 +23,10 @@ function. Variants, each a rewrite of the traced model
   derivative; a "missing" row while ``yax.fewbit`` is not in this
   checkout);
 * ``randomized 20%``: ``yax.randomized_linear`` of every ``Dense``,
-  ``ratio=0.2`` (a new ``sketch_key`` per step);
+  ``ratio=0.2`` (a new ``sketch_key`` per step), with the default count
+  sketch (linear in the rows);
+* ``randomized 20% gaussian``: the same with ``kind='gaussian'`` (the
+  dense sketch, quadratic in the rows), side by side;
 * ``fewbit + randomized``: both;
 * ``remat every layer``: ``yax.remat`` of every ``Flax*Layer`` call;
 * ``HF gradient_checkpointing``: the same model built with
@@ -78,12 +81,13 @@ import yax  # noqa: E402
 MiB = 2 ** 20
 _DTYPE_BYTES = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 'i64': 8, 'i32': 4,
                 'i16': 2, 'i8': 1, 'u64': 8, 'u32': 4, 'u16': 2, 'u8': 1,
-                'bool': 1, 'pred': 1, 'u4': 0.5, 'i4': 0.5}
+                'bool': 1, 'pred': 1, 'u4': 0.5, 'i4': 0.5, 'key<fry>': 8}
 
 
 def _type_bytes(type_str: str) -> float:
-  """``f32[128,128,768]`` -> bytes."""
-  m = re.fullmatch(r'([a-z0-9]+)\[([0-9,]*)\]', type_str)
+  """``f32[128,128,768]`` -> bytes (a threefry key, ``key<fry>[]``: its
+  two uint32 words)."""
+  m = re.fullmatch(r'([a-z0-9]+|key<fry>)\[([0-9,]*)\]', type_str)
   if m is None:
     raise ValueError(f'cannot read the residual type {type_str!r}')
   dims = [int(d) for d in m.group(2).split(',') if d]
@@ -178,6 +182,8 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask):
       'baseline': of(mox),
       'fewbit 3-bit GELU': of(few),
       'randomized 20%': of(yax.randomized_linear(mox, dense, ratio=0.2)),
+      'randomized 20% gaussian': of(yax.randomized_linear(
+          mox, dense, ratio=0.2, kind='gaussian')),
       'fewbit + randomized': of(
           yax.randomized_linear(few, dense, ratio=0.2) if fewbit else missing),
       'remat every layer': of(yax.remat(mox, layers)),

@@ -50,12 +50,10 @@ row's kind says so, post-training):
   NNX: ``quantize_model`` runs the model once on the input and quantizes its
   weights in place; the forward is ``nnx.merge`` of its split state.
   Qwix's formats have the same names (``jnp.int8``, ``jnp.int4``, ``'nf4'``,
-  ``jnp.float8_e4m3fn``). Both map the absmax to qmax + 0.5 (127.5, 7.5)
-  and use the whole signed range; they differ only on the absmax element of
-  a negative sign, which YAX sets exactly to -(qmax + 0.5), rounded to qmin
-  (-128, -8), and Qwix computes by a float division that often lands a hair
-  inside, rounded to -qmax: int8 and int4 errors differ a little (either
-  way) for that reason; nf4 and fp8 codes are the same.
+  ``jnp.float8_e4m3fn``). YAX is symmetric absmax (absmax maps to qmax,
+  127 or 7, codes -qmax .. qmax); Qwix maps the absmax to qmax + 0.5
+  (127.5, 7.5) and uses the whole signed range: int8 and int4 errors differ
+  a little (either way) for that reason; nf4 and fp8 codes are the same.
 
 Printed per model, one row per layer kind and format, a column group per
 library (a library that raises gets ``fails: <Type: message>`` instead):

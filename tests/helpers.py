@@ -28,6 +28,24 @@ def assert_trees_close(a, b, *, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
+@jax.tree_util.register_pytree_node_class
+class Picky:
+  """A pytree node whose unflatten accepts arrays only (placeholder leaves
+  make it raise TypeError)."""
+
+  def __init__(self, w):
+    if not hasattr(w, 'shape'):
+      raise TypeError('Picky holds arrays')
+    self.w = w
+
+  def tree_flatten(self):
+    return (self.w,), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children)
+
+
 def modules(mox, type_name=None):
   """Module calls (non-ephemeral ``Mox`` nodes) anywhere in the tree,
   including bodies of lifted transforms (``Equation.children``)."""
@@ -193,3 +211,102 @@ def trained_adapters(params, mask, seed: int = 2):
       lambda v, is_adapter: v + jnp.asarray(
           rng.normal(0.0, 0.3, np.shape(v)), v.dtype) if is_adapter else v,
       params, mask)
+
+
+def module_calls_per_view(mox) -> dict[str, list]:
+  """The module calls each view of ``mox`` shows, per view, as sorted lists.
+
+  SPEC "Every view sees the same module calls". Each view is read through
+  its own public output, not through YAX's tree: ``map_mox`` (every
+  ``Mox`` it yields), the XML text (``dump_xml``), ``to_json``, the YSON
+  text (``dump_yson``), ``query('//module_call')``, the HTML viewer's
+  embedded XML, as ``(path, type, ephemeral)`` triples; and, for the views
+  that show module calls by path (one row or group per module), the
+  ``(path, type)`` pairs of the non-ephemeral calls: the summary's rows
+  (helper methods are folded into their module's row), the HTML viewer's
+  ``totals['module_calls']`` count, and Model Explorer's group namespaces
+  (one per path, the root's ``''`` left out).
+  """
+  import io
+  import json
+
+  import yt.yson
+  from lxml import etree
+
+  from yax._src.report import html as _html
+
+  def from_elements(elements):
+    return sorted((e.get('path', ''), e.get('type', ''), e.get('ephemeral'))
+                  for e in elements)
+
+  def from_xml_text(text):
+    root = etree.fromstring(text.encode() if isinstance(text, str) else text)
+    return from_elements(root.iter('module_call'))
+
+  def json_calls(d, out):
+    if d['tag'] == 'module_call':
+      a = d['attrs']
+      out.append((a.get('path', ''), a.get('type', ''), a.get('ephemeral')))
+    for child in d.get('children', ()):
+      json_calls(child, out)
+    return out
+
+  def yson_calls(node, out):
+    if isinstance(node, list):
+      a = node.attributes
+      if a.get('primitive') == 'module_call':
+        out.append((a.get('path', ''), a.get('type', ''), a.get('ephemeral')))
+      for child in node:
+        yson_calls(child, out)
+    return out
+
+  def mox_triple(n):
+    return ('/'.join(map(str, n.path)), n.type_name or '',
+            'true' if n.is_ephemeral else 'false')
+
+  buf = io.StringIO()
+  yax.dump_xml(mox, buf)
+  ybuf = io.BytesIO()
+  yax.dump_yson(mox, ybuf)
+  payload = _html.payload(mox)
+  views = {
+      'map_mox': sorted(mox_triple(n) for n in yax.map_mox(lambda n: n, mox)
+                        if isinstance(n, yax.Mox)),
+      'xml': from_xml_text(buf.getvalue()),
+      'json': sorted(json_calls(json.loads(yax.to_json(mox)), [])),
+      'yson': sorted(yson_calls(yt.yson.loads(ybuf.getvalue()), [])),
+      'query': sorted(mox_triple(n)
+                      for n in yax.query('//module_call', mox)),
+      'html': from_xml_text(payload['xml']),
+  }
+  calls = [t for t in views['map_mox'] if t[2] == 'false']
+  views['map_mox calls'] = sorted({t[:2] for t in calls})
+  views['summary'] = sorted({(r.path, r.module) for r in yax.summary(mox)
+                             if r.module})
+  views['map_mox count'] = [len(calls)]
+  views['html count'] = [payload['totals']['module_calls']]
+  graph = yax.to_model_explorer(mox)
+  views['map_mox paths'] = sorted({t[0] for t in calls if t[0]})
+  views['explorer'] = sorted(k for k in graph.groupNodeAttributes if k)
+  return views
+
+
+def assert_views_agree(mox) -> int:
+  """Asserts that every view of ``mox`` shows the same module calls (see
+  :func:`module_calls_per_view`); returns how many module calls (not
+  ephemeral) there are."""
+  v = module_calls_per_view(mox)
+  for name in ('xml', 'json', 'yson', 'query', 'html'):
+    assert v[name] == v['map_mox'], (name, _difference(v[name], v['map_mox']))
+  assert v['summary'] == v['map_mox calls'], _difference(
+      v['summary'], v['map_mox calls'])
+  assert v['html count'] == v['map_mox count']
+  assert v['explorer'] == v['map_mox paths'], _difference(
+      v['explorer'], v['map_mox paths'])
+  return v['map_mox count'][0]
+
+
+def _difference(a, b) -> str:
+  import collections
+  ca, cb = collections.Counter(a), collections.Counter(b)
+  return f'only in the view: {ca - cb}; only in map_mox: {cb - ca}'

@@ -8,6 +8,7 @@
 from yax._src.tools.cast import cast as cast
 from yax._src.ir.check import InvariantError as InvariantError
 from yax._src.ir.check import check_mox as check_mox
+from yax._src.errors import AdapterFileError as AdapterFileError
 from yax._src.errors import EvaluationError as EvaluationError
 from yax._src.errors import PatternError as PatternError
 from yax._src.errors import SignatureError as SignatureError
@@ -39,15 +40,22 @@ from yax._src.tools.quantize import QuantizeResult as QuantizeResult
 from yax._src.tools.quantize import quantize as quantize
 from yax._src.tools.randomized import randomized_linear as randomized_linear
 from yax._src.tools.remat import remat as remat
+from yax._src.tools.lean_norm import lean_norm as lean_norm
 from yax._src.views.query import query as query
 from yax._src.views.serialize import dump_xml as dump_xml
 from yax._src.views.serialize import dump_yson as dump_yson
 from yax._src.views.serialize import to_dict as to_dict
 from yax._src.views.serialize import to_json as to_json
 from yax._src.tools.init_params import init_params as init_params
+from yax._src.tools.keep import Kept as Kept
+from yax._src.tools.keep import keep as keep
 from yax._src.tools.lora import LoraResult as LoraResult
 from yax._src.tools.lora import lora as lora
+from yax._src.tools.lora import load_lora as load_lora
 from yax._src.rewrite.engine import sub as sub
+from yax._src.rewrite.recipe import Applied as Applied
+from yax._src.rewrite.recipe import Recipe as Recipe
+from yax._src.rewrite.recipe import recipe as recipe
 from yax._src.report.summary import SummaryRow as SummaryRow
 from yax._src.report.summary import summary as summary
 from yax._src.report.summary import format_summary as format_summary
@@ -56,6 +64,9 @@ from yax._src.report.html import notebook_html as notebook_html
 from yax._src.report.html import render_html as render_html
 from yax._src.report.html import write_html as write_html
 from yax._src.views.printing import pformat as pformat
+from yax._src.report.memory import MemoryReport as MemoryReport
+from yax._src.report.memory import MemoryRow as MemoryRow
+from yax._src.report.memory import memory_report as memory_report
 from yax._src.trace.make import make_mox as make_mox
 
 from yax._src.version import __version__ as __version__

@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 import yax
-from helpers import (assert_trees_close, import_required, jit_call,
-                     random_variables, tensorflow_placeholder,
-                     trained_adapters)
+from helpers import (assert_trees_close, assert_views_agree, import_required,
+                     jit_call, modules, random_variables,
+                     tensorflow_placeholder, trained_adapters)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 INSTALL = ('python3.12 -m venv .venv && .venv/bin/pip install -e ".[test]" '
@@ -245,6 +245,7 @@ def test_text_trace_and_replay(text):
   np.testing.assert_allclose(
       other, text.call(with_kv_kernel(0), *text.args).logits, **TOL)
   assert top_row(mox).path == ''
+  assert assert_views_agree(mox) == len(modules(mox))
 
 
 @pytest.mark.parametrize('model', ['text', 'moe'])
@@ -285,6 +286,7 @@ def test_moe_trace_replay_and_ragged_dot(moe):
   # jax.lax.ragged_dot as ragged_dot_general.
   assert yax.query('count(//ragged_dot_general | //ragged_dot)',
                    moe.mox) == 2 * layers
+  assert assert_views_agree(moe.mox) == len(modules(moe.mox))
 
 
 def test_moe_lora_of_the_einsums(moe):
@@ -327,6 +329,7 @@ def test_vision_encoder_trace_and_replay(vision):
   check_replay(vision.mox, vision.expected, vision.variables, *vision.args)
   # The layers run under nn.scan: one scanned body, its calls inside.
   assert yax.query('//scan', vision.mox)
+  assert assert_views_agree(vision.mox) == len(modules(vision.mox))
 
 
 def test_vision_encoder_summary_counts_every_parameter_once(vision):
@@ -382,6 +385,7 @@ def test_conformer_audio_encoder_trace_replay_lora():
   expected = jax.jit(call)(variables, feats, mask)
   check_replay(mox, expected, variables, feats, mask)
   assert len(yax.query('//module_call[@type="ConformerLayer"]', mox)) == 2
+  assert assert_views_agree(mox) == len(modules(mox))
   assert top_row(mox).params == n_params(variables)
   # The subsampling's output projection (nn.DenseGeneral); the Conformer's
   # ClippedEinsums, adapted in place, are checked on the vision encoder.

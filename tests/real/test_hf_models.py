@@ -13,7 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 import yax  # noqa: E402
-from helpers import assert_trees_close, jit_call, modules  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_trees_close, assert_views_agree, jit_call, modules)
 
 transformers = pytest.importorskip('transformers')
 
@@ -84,6 +85,7 @@ def test_bert_tree(bert):
 def test_bert_replay(bert):
   model, ids, mox = bert
   check_replay(model, (ids,), {'params': model.params}, mox)
+  assert assert_views_agree(mox) == len(modules(mox))
 
 
 def test_bert_new_params_and_grad(bert):
@@ -123,6 +125,7 @@ def test_resnet_replay(resnet):
   norms = modules(mox, 'BatchNorm')
   assert norms and all(static_args(n) == [True] for n in norms)
   assert all(n.num_vars == 4 for n in norms)
+  assert assert_views_agree(mox) == len(modules(mox))
 
 
 def test_resnet_train_mode_updates_batch_stats(resnet):
@@ -145,3 +148,4 @@ def test_gpt2_replay():
                                      'attention_mask': mask})
   paths = [m.path for m in modules(mox, 'FlaxConv1D')]
   assert ('h', '0', 'attn', 'c_attn') in paths
+  assert assert_views_agree(mox) == len(modules(mox))

@@ -37,8 +37,8 @@ import pytest
 
 import yax
 from yax._src.rewrite import quant_formats
-from helpers import (assert_trees_close, import_required, jit_call,
-                     trained_adapters)
+from helpers import (assert_trees_close, assert_views_agree, import_required,
+                     jit_call, modules, trained_adapters)
 
 INSTALL = ('python3.12 -m venv .venv && .venv/bin/pip install -e ".[test]" '
            '&& bash tests/install_real_models.sh .venv/bin/python')
@@ -230,6 +230,7 @@ def test_trace_and_exact_replay(family, scan):
   params = m.params['decoder']
   assert all(p[1] in params for p in layers), layers
   assert len(layers) == (2 if not scan or family == 'deepseek3' else 1)
+  assert assert_views_agree(m.mox) == len(modules(m.mox))
 
 
 @pytest.mark.parametrize('family,scan', CASES)
@@ -259,6 +260,7 @@ def test_linen_bridge_trace_replay_and_paths(family, scan):
   # The bridge call's row holds every param; each is the own param of the
   # row of the bridged NNX module that reads it.
   assert top.module == 'TransformerLinen' and top.params == m.n_params
+  assert assert_views_agree(m.mox) == len(modules(m.mox))
 
 
 def test_linen_bridge_summary_counts_every_parameter_once():

@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 import yax
-from helpers import assert_trees_close, trained_adapters
+from helpers import (assert_trees_close, assert_views_agree, modules,
+                     trained_adapters)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 INSTALL = 'bash tests/install_real_models.sh'
@@ -243,6 +244,8 @@ def test_trace_replay_eager_and_jit(lm):
   # The functional form replays too.
   _, state, fn, mox = split_form(lm)
   assert_trees_close(jit_eval(mox, state, *lm.args), lm.expected, **TOL)
+  assert assert_views_agree(lm.mox) == len(modules(lm.mox))
+  assert assert_views_agree(mox) == len(modules(mox))
 
 
 def test_sow_state_update(lm):

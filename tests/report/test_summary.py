@@ -322,6 +322,33 @@ def test_unknown_primitives_are_reported():
   assert 'Not counted (no FLOP rule): yax_test_unknown' in text
 
 
+class _TopKGate(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    values, _ = jax.lax.top_k(nn.Dense(8, name='router')(x), 2)
+    return values
+
+
+class _RematGate(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(_TopKGate)(name='gate')(x)
+
+
+def test_remat_bodies_and_top_k_are_counted():
+  # Before: nn.remat's `remat2` and `top_k` had no FLOP rule; the summary
+  # said so ("Not counted").
+  x = jnp.ones((4, 6))
+  model = _RematGate()
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  assert _flops.uncounted_primitives(_summary.leaf_equations(mox)) == set()
+  # The router: 2 * 4 * 6 * 8 for the matmul, 4 * 8 for the bias; top_k one
+  # comparison per element of its 4 x 8 operand.
+  assert _summary.flops(mox) == 2 * 4 * 6 * 8 + 4 * 8 + 4 * 8
+  assert 'Not counted' not in _summary.format_summary(mox)
+
+
 # --------------------------------------------------------------- rendering
 
 def _words(row) -> set[str]:
@@ -529,6 +556,30 @@ def test_a_tied_head_kernel_never_read_sits_in_the_root_row():
   assert all(r.unread_params == 0 for r in rows.values() if r.path)
   text = _summary.format_summary(mox)
   assert 'Total params: 100 (400 B), 40 of them read by no module call' in text
+
+
+def test_unread_params_are_counted_next_to_a_picky_argument():
+  """The unread params come from the traced arguments' key paths. A pytree
+  node of the user's whose unflatten refuses placeholder leaves (Picky,
+  a second argument) used to drop them all from the totals (the summary
+  said 20 params for a model of 40)."""
+  from helpers import Picky
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, aux: bool = False):
+      y = nn.Dense(4, name='main')(x)
+      return y + nn.Dense(4, name='aux')(x) if aux else y
+
+  x = jnp.ones((1, 4))
+  variables = Block().init(jax.random.key(0), x, aux=True)
+  mox = yax.make_mox(lambda v, p, x: Block().apply(v, x) * p.w)(
+      variables, Picky(jnp.ones(4)), x)
+  params = variables['params']
+  rows = yax.summary(mox)
+  assert rows[0].params == _n_leaves(params) == 40
+  assert rows[0].unread_params == _n_leaves(params['aux']) == 20
+  assert _summary.total_params(mox)[0] == 40
 
 
 def test_a_linen_submodule_never_called_sits_in_its_parent_row():

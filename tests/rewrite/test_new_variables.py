@@ -165,12 +165,11 @@ def test_init_params_restores_a_missing_module_and_refuses_what_it_cannot():
 
 def reference_int8(w):
   """Per-output-channel absmax int8 of a Dense kernel [in, out] (the
-  absmax maps to 127.5, codes -128 .. 127), dequantized."""
+  absmax maps to 127, codes -127 .. 127), dequantized."""
   w = np.asarray(w, np.float32)
   absmax = np.abs(w).max(0, keepdims=True)
-  scale = (absmax / 127.5).astype(np.float32)
-  x = np.where(np.abs(w) == absmax, np.sign(w) * 127.5, w / scale)
-  return np.clip(np.round(x), -128, 127) * scale
+  scale = (absmax / 127.0).astype(np.float32)
+  return np.clip(np.round(w / scale), -127, 127) * scale
 
 
 def test_init_params_fills_lora_adapters_and_quantization_scales():
@@ -308,3 +307,44 @@ def test_nnx_two_relus_to_prelu():
     ref_state[name]['alpha'].value = jnp.full((8,), a)
   want = nnx.merge(ref_graph, ref_state)(X)
   np.testing.assert_allclose(yax.eval_mox(new, full, X), want, **TOL)
+
+
+class _ShardedNNX(nnx.Module):
+  """Two Linear layers whose kernels carry axis names."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    part = nnx.with_partitioning
+    self.up = nnx.Linear(4, 8, kernel_init=part(init, ('embed', 'mlp')),
+                         rngs=rngs)
+    self.down = nnx.Linear(8, 4, kernel_init=part(init, ('mlp', 'embed')),
+                           rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jnp.tanh(self.up(x)))
+
+
+def test_init_params_keeps_the_sharding_metadata_of_nnx_adapters():
+  # lora makes nnx.LoRAParam adapters with the kernels' axis names
+  # (out_sharding); init_params made them without, and eval_mox on the
+  # filled state raised SignatureError (the static structure differs).
+  mesh = jax.make_mesh((1, 1), ('embed', 'mlp'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    model = _ShardedNNX(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    graphdef, state = nnx.split(model)
+    run = lambda s, x: nnx.merge(graphdef, s)(x)
+    mox = yax.make_mox(run)(state, x)
+    res = yax.lora(mox, state, rank=2)
+    full = yax.init_params(res.mox, state, key=jax.random.key(3))
+    assert jax.tree.structure(full) == jax.tree.structure(res.params)
+    for layer in ('up', 'down'):
+      for name in ('lora_a', 'lora_b'):
+        got, want = full[layer][name], res.params[layer][name]
+        assert isinstance(got, nnx.LoRAParam)
+        assert got.get_metadata() == want.get_metadata()
+        assert got[...].shape == want[...].shape
+    # B = 0: the filled tree computes the plain NNX model.
+    np.testing.assert_allclose(yax.eval_mox(res.mox, full, x), run(state, x),
+                               **TOL)

@@ -960,3 +960,24 @@ def test_random_elementwise_patterns_in_random_models(names, widths, wrap,
   assert len(yax.query('//module_call[@name="act"]', g)) == len(widths)
   assert_trees_close(jax.jit(lambda v, x: yax.eval_mox(g, v, x))(v, x),
                      expected)
+
+
+def test_group_path_is_fresh_next_to_a_picky_argument():
+  """A group's path is none that the traced arguments name (here the
+  params' 'gelu' entry). A pytree node of the user's whose unflatten
+  refuses placeholder leaves (Picky) used to leave the arguments' names
+  unread, and the group took the path 'gelu'."""
+  from helpers import Picky
+
+  def f(params, p, x):
+    return exact_gelu(x @ params['gelu']['w']) * p.w
+
+  params = {'gelu': {'w': jnp.eye(3)}}
+  args = (params, Picky(jnp.full(3, 2.0)), jnp.linspace(-1.0, 1.0, 3))
+  mox = yax.make_mox(f)(*args)
+  g = yax.group(exact_gelu, mox, 'gelu')
+  yax.check_mox(g)
+  (node,) = [n for n in yax.map_mox(lambda n: n, g)
+             if isinstance(n, yax.Mox) and n.name == 'gelu']
+  assert node.path == ('gelu_1',)
+  np.testing.assert_allclose(yax.eval_mox(g, *args), f(*args), rtol=1e-6)

@@ -84,6 +84,76 @@ def test_cast_output_of_the_last_module():
   np.testing.assert_array_equal(yax.eval_mox(others, variables, x), want)
 
 
+class VmapHead(nn.Module):
+  """The model's output from a Dense stacked by nn.vmap."""
+
+  @nn.compact
+  def __call__(self, x, dtype=None):
+    stack = nn.vmap(nn.Dense, variable_axes={'params': 0},
+                    split_rngs={'params': True}, in_axes=0, out_axes=0)
+    return stack(4, dtype=dtype, name='d')(jnp.tanh(x))
+
+
+class JitInner(nn.Module):
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, dtype=self.dtype, name='d')(jnp.tanh(x))
+
+
+class JitHead(nn.Module):
+  """The model's output from a Dense inside an nn.jit body."""
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.jit(JitInner)(self.dtype, name='inner')(x)
+
+
+class NNXJitHead(nnx.Module):
+  def __init__(self, rngs, dtype=None):
+    self.lin = nnx.Linear(5, 4, dtype=dtype, rngs=rngs)
+
+  @nnx.jit
+  def __call__(self, x):
+    return self.lin(jnp.tanh(x))
+
+
+def test_cast_output_under_vmap_and_inside_jit_bodies():
+  # Before: under nn.vmap the output came back float32 (output= ignored);
+  # inside an nn.jit / nnx.jit body the call was refused as "read further
+  # on" though its output is the model's own.
+  x = jax.random.normal(jax.random.key(0), (3, 2, 5))
+  for model, low_model, xpath in [
+      (VmapHead(), None, '//module_call[@type="Dense"]'),
+      (JitHead(), JitHead(jnp.bfloat16), '//module_call[@type="Dense"]')]:
+    variables = model.init(jax.random.key(1), x)
+    mox = yax.make_mox(model.apply)(variables, x)
+    low = yax.cast(mox, xpath, 'bfloat16', output='bfloat16')
+    yax.check_mox(low)
+    got = yax.eval_mox(low, variables, x)
+    if low_model is None:  # the same vmap, of the Dense built in bfloat16
+      want = model.apply(variables, x, jnp.bfloat16)
+    else:
+      want = low_model.apply(variables, x)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got, want)
+  model = NNXJitHead(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16',
+                 output='bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, state, x)
+  want = NNXJitHead(nnx.Rngs(0), dtype=jnp.bfloat16)(x)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32),
+                             np.asarray(want, np.float32), rtol=1e-2,
+                             atol=1e-2)
+
+
 def test_cast_of_bert_dense_layers_beats_hf_bfloat16():
   from transformers import BertConfig, FlaxBertModel
   config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,

@@ -618,3 +618,37 @@ def test_inside_a_flax_remat_body():
   ref = jax.grad(lambda v: (Outer(stepped('gelu_tanh', 3)).apply(v, x) ** 2
                             ).sum())(v)
   assert_trees_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('bits', [1, 3])
+def test_leaky_relu_at_any_slope_is_found_and_exact(bits):
+  # Failed before: fewbit refused jax.nn.leaky_relu(x, 0.1) ("found no
+  # supported activation ...; found the element-wise operations
+  # leaky_relu"), and its tables held only the slope 0.01.
+  slopes = (0.1, -0.5, 0.3)
+  model = MLP(lambda h: sum(jax.nn.leaky_relu(h, s) for s in slopes)
+              + jax.nn.leaky_relu(h))
+  x = _inputs((8, 5))
+  v = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  new = yax.fewbit(mox, bits=bits)
+  yax.check_mox(new)
+  calls = yax.query('//module_call[@type="FewBit"]', new)
+  assert sorted((c.params['name'], c.params.get('slope') or 0.01) for c in calls
+                ) == sorted(('leaky_relu', s) for s in (*slopes, 0.01))
+  np.testing.assert_array_equal(yax.eval_mox(new, v, x), model.apply(v, x))
+  # Exact: f' of leaky ReLU is the slope below 0 and 1 from 0 on, two
+  # levels, at every bits. The reference is plain JAX's gradient.
+  loss = lambda f: (lambda v, x: jnp.sum(jnp.sin(f(v, x))))
+  assert_trees_close(jax.grad(loss(lambda v, x: yax.eval_mox(new, v, x)),
+                              (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=1e-6, atol=1e-6)
+  for s in slopes:
+    borders, levels, rmse = _fewbit.table('leaky_relu', bits, s)
+    assert (borders[0], levels[0], levels[1], rmse) == (0.0, s, 1.0, 0.0)
+    assert len(borders) == 2 ** bits - 1 and len(levels) == 2 ** bits
+  # Each keeps its packed codes, not its input.
+  codes = f'u8[{math.ceil(8 * 16 * bits / 8)}]'
+  assert saved_residuals(loss(lambda v, x: yax.eval_mox(new, v, x)), v,
+                         x).count(codes) == 4

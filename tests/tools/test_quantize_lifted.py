@@ -25,7 +25,7 @@ FORMATS = ('int8', 'int4', 'fp8', 'nf4')
 # The 16 NormalFloat levels of QLoRA (Dettmers et al. 2023, appendix E):
 # data of the format, not a computation under test.
 NF4 = NF4_LEVELS
-TOP = {'int8': 127.5, 'int4': 7.5, 'fp8': 448.0, 'nf4': 1.0}
+TOP = {'int8': 127.0, 'int4': 7.0, 'fp8': 448.0, 'nf4': 1.0}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -43,11 +43,8 @@ def fake_quant_2d(w, fmt, tile=None):
   elif fmt == 'fp8':
     codes = np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn), np.float32)
   else:
-    top = TOP[fmt]
-    # The absmax maps to +-top: a rounding tie that goes to -top-0.5 and,
-    # clipped, to top-0.5.
-    x = np.where(np.abs(groups) == absmax, np.sign(groups) * top, x)
-    codes = np.clip(np.round(x), -top - 0.5, top - 0.5)
+    top = TOP[fmt]  # symmetric absmax: codes -top .. top
+    codes = np.clip(np.round(x), -top, top)
   return (codes * scale).reshape(n_in, n_out)
 
 
@@ -63,9 +60,8 @@ def act_quant(x):
   """int8 activations, one absmax scale per row (the last axis)."""
   x = np.asarray(x, np.float32)
   absmax = np.abs(x).max(-1, keepdims=True)
-  scale = np.where(absmax > 0, absmax / 127.5, 1.0)
-  q = np.where(np.abs(x) == absmax, np.sign(x) * 127.5, x / scale)
-  return np.clip(np.round(q), -128, 127) * scale
+  scale = np.where(absmax > 0, absmax / 127.0, 1.0)
+  return np.clip(np.round(x / scale), -127, 127) * scale
 
 
 # ------------------------------------------------------------------ Linen

@@ -96,7 +96,7 @@ def test_forward_and_input_gradient_are_exact(block_mox):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize('kind', ['gaussian', 'rademacher'])
+@pytest.mark.parametrize('kind', ['count', 'gaussian', 'rademacher'])
 def test_kernel_gradient_is_unbiased(block_mox, kind):
   new = yax.randomized_linear(block_mox, LINEAR, ratio=0.3, kind=kind)
   mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
@@ -138,21 +138,29 @@ class Scaled(nn.Module):
 
 
 @hypothesis.given(b=st.integers(1, 4), t=st.integers(2, 6),
-                  d=st.integers(2, 5), ratio=st.floats(0.05, 1.0))
-@hypothesis.settings(max_examples=4)
-def test_the_residual_is_the_sketch(b, t, d, ratio):
+                  d=st.integers(2, 5), ratio=st.floats(0.05, 1.0),
+                  kind=st.sampled_from(randomized.KINDS))
+@hypothesis.settings(max_examples=6, deadline=None)
+def test_the_residual_is_the_sketch(b, t, d, ratio, kind):
   model = Scaled()
   x = jax.random.normal(jax.random.key(b * 31 + t), (b, t, d))
   v = model.init(jax.random.key(0), x)
   mox = yax.make_mox(model.apply)(v, x)
-  new = check_rewrite(yax.randomized_linear(
-      mox, '//module_call[@type="Dense"]', ratio=ratio))
-  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
   k = math.ceil(ratio * b * t)
+  if k == b * t:  # the sketch and its key would keep more than the input
+    with pytest.raises(yax.SubstitutionError, match=(
+        f'its sketch would keep {k * d * 4 + 8} bytes .{k} of {k} rows.*'
+        f'more than its input f32.{b},{t},{d}. .{b * t * d * 4} bytes')):
+      yax.randomized_linear(mox, '//module_call[@type="Dense"]', ratio=ratio,
+                            kind=kind)
+    return
+  new = check_rewrite(yax.randomized_linear(
+      mox, '//module_call[@type="Dense"]', ratio=ratio, kind=kind))
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
   assert saved_residuals(loss(model.apply), v, x) == sorted(
       [f'f32[{b},{t},{d}]', f'f32[{b},{t},6]'])  # sin's input, and 2 * x
   assert saved_residuals(mine, v, x, KEY) == sorted(
-      [f'f32[{k},{d}]', 'u32[2]', f'f32[{b},{t},6]'])
+      [f'f32[{k},{d}]', 'key<fry>[]', f'f32[{b},{t},6]'])
   np.testing.assert_array_equal(yax.eval_mox(new, v, x, sketch_key=KEY),
                                 model.apply(v, x))
   assert_trees_close(jax.grad(mine, 1)(v, x, KEY),
@@ -168,7 +176,7 @@ def test_the_sketch_is_drawn_and_applied_in_blocks(monkeypatch):
   v = model.init(jax.random.key(0), x)
   mox = yax.make_mox(model.apply)(v, x)
   new = check_rewrite(yax.randomized_linear(
-      mox, '//module_call[@type="Dense"]', ratio=0.4))
+      mox, '//module_call[@type="Dense"]', ratio=0.4, kind='gaussian'))
   mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
   got = jax.jit(jax.grad(mine))(v, x, KEY)['params']['kernel']
   # S, row block b from fold_in(site key, b), N(0, 1/k) entries.
@@ -185,7 +193,7 @@ def test_the_sketch_is_drawn_and_applied_in_blocks(monkeypatch):
   np.testing.assert_allclose(got, (s.T @ xf).T @ (s.T @ g), rtol=1e-4,
                              atol=1e-5)
   assert saved_residuals(mine, v, x, KEY) == sorted(
-      ['f32[6,4]', 'u32[2]', 'f32[3,5,6]'])
+      ['f32[6,4]', 'key<fry>[]', 'f32[3,5,6]'])
   # Still unbiased over the blocks.
   n = 1000
   keys = jax.random.split(jax.random.PRNGKey(4), n)
@@ -420,3 +428,101 @@ MESH_SCRIPT = textwrap.dedent('''
 
 def test_remat_and_randomized_linear_on_a_2x4_mesh(tmp_path):
   run_on_host_devices(MESH_SCRIPT, tmp_path, 'MEMORY-MESH-OK')
+
+
+def test_any_jax_key_is_a_sketch_key(block_mox):
+  # A typed key (what JAX recommends) and a raw PRNGKey with the same data
+  # draw the same sketches (failed before: "expected u32[2], given
+  # key<fry>[]").
+  new = yax.randomized_linear(block_mox, LINEAR)
+  typed = jax.random.wrap_key_data(KEY)
+  grad = jax.jit(jax.grad(loss(
+      lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))))
+  assert_trees_close(grad(VARS, X, typed), grad(VARS, X, KEY), rtol=0, atol=0)
+  np.testing.assert_array_equal(yax.eval_mox(new, VARS, X, sketch_key=typed),
+                                BLOCK.apply(VARS, X))
+  with pytest.raises(yax.SignatureError, match=r"kwargs\['sketch_key'\]"):
+    yax.eval_mox(new, VARS, X, sketch_key=jnp.zeros((3,), jnp.uint32))
+
+
+def _largest_value(jaxpr) -> int:
+  """Elements of the largest value any equation of ``jaxpr`` (bodies
+  included) computes."""
+  most = 0
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      most = max(most, math.prod(getattr(v.aval, 'shape', ())))
+    for sub in jax.core.jaxprs_in_params(eqn.params) if hasattr(
+        jax.core, 'jaxprs_in_params') else ():
+      most = max(most, _largest_value(sub))
+    for p in eqn.params.values():
+      inner = getattr(p, 'jaxpr', p)
+      if hasattr(inner, 'eqns'):
+        most = max(most, _largest_value(inner))
+  return most
+
+
+@pytest.mark.parametrize('kind', randomized.KINDS)
+def test_the_count_sketch_builds_no_n_by_k_matrix(kind):
+  # n = 512 rows of 4, k = 128: S would have 65,536 entries, the input
+  # 2,048. The count sketch (the default) computes nothing of S's size in
+  # the forward or the backward pass; the dense kinds do.
+  model = nn.Dense(3)
+  x = jax.random.normal(jax.random.key(2), (8, 64, 4))
+  v = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  new = yax.randomized_linear(mox, '//module_call[@type="Dense"]',
+                              ratio=0.25, kind=kind)
+  mine = loss(lambda v, x, k: yax.eval_mox(new, v, x, sketch_key=k))
+  most = _largest_value(jax.make_jaxpr(jax.grad(mine))(v, x, KEY).jaxpr)
+  if kind == 'count':
+    assert most < 512 * 128 // 8, most
+  else:
+    assert most >= 512 * 128, most
+
+
+def test_count_sketch_is_signed_buckets():
+  # S^T X of the count sketch against S written out by hand from the same
+  # buckets and signs: one +-1 per row, in the row's bucket.
+  key = jax.random.key(5)
+  flat = jax.random.normal(jax.random.key(6), (40, 3))
+  got = randomized.count_sketch(key, flat, 7)
+  kb, ks = jax.random.split(key)
+  buckets = np.asarray(jax.random.randint(kb, (40,), 0, 7))
+  signs = np.asarray(jax.random.rademacher(ks, (40,), jnp.float32))
+  s = np.zeros((40, 7))
+  s[np.arange(40), buckets] = signs
+  np.testing.assert_allclose(got, s.T @ np.asarray(flat, np.float64),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(randomized.sketch_matrix(key, 40, 7, 'count'),
+                                s.astype(np.float32))
+
+
+def test_refusals_give_the_figures_and_the_xpath_of_the_others():
+  # One Dense reads 2 rows (a ratio of 0.6 keeps both: more than its input
+  # with the key); the other 30 rows.
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+      return nn.Dense(3, name='small')(x).sum() + nn.Dense(3, name='big')(y).sum()
+
+  x, y = jnp.ones((2, 4)), jnp.ones((30, 4))
+  v = Two().init(jax.random.key(0), x, y)
+  mox = yax.make_mox(Two().apply)(v, x, y)
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.randomized_linear(mox, '//module_call[@type="Dense"]', ratio=0.6)
+  text = str(err.value)
+  assert "module_call Dense at path 'small'" in text
+  assert ('its sketch would keep 40 bytes (2 of 2 rows at ratio 0.6, and the '
+          '8-byte key), more than its input f32[2,4] (32 bytes)') in text
+  assert "'big'" not in text
+  fixed = text.splitlines()[-1].strip()
+  assert fixed == '//module_call[@type="Dense"][not(@path="small")]'
+  new = check_rewrite(yax.randomized_linear(mox, fixed, ratio=0.6))
+  f = lambda v, k: yax.eval_mox(new, v, x, y, sketch_key=k)
+  g = jax.grad(f)(v, KEY)['params']
+  ref = jax.grad(lambda v: Two().apply(v, x, y))(v)['params']
+  # 'small' is exact, 'big' sketched (y is all ones: the sketch differs).
+  np.testing.assert_allclose(g['small']['kernel'], ref['small']['kernel'],
+                             rtol=1e-6)
+  assert not np.allclose(g['big']['kernel'], ref['big']['kernel'])

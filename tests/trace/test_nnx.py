@@ -18,6 +18,7 @@ import flax.linen as linen
 from flax import nnx
 
 import yax
+from helpers import Picky
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -993,3 +994,17 @@ def test_nnx_model_bridged_into_linen_has_its_param_paths():
   assert not np.allclose(adapted, want)
   np.testing.assert_allclose(model.apply(res.merge(trained), x), adapted,
                              rtol=1e-5, atol=1e-6)
+
+
+def test_lora_refuses_the_module_form_next_to_a_picky_argument():
+  """lora needs the split form; its guard finds the NNX module among the
+  traced arguments by walking their treedef. A pytree node of the user's
+  whose unflatten refuses placeholders (Picky) used to make the guard
+  answer "no module" and lora go on with the module form."""
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  x = jnp.ones((1, 3))
+  mox = yax.make_mox(lambda m, p, x: m(x) * p.w)(model, Picky(jnp.ones(2)), x)
+  np.testing.assert_allclose(yax.eval_mox(mox, model, Picky(jnp.ones(2)), x),
+                             model(x), rtol=1e-6)
+  with pytest.raises(yax.SubstitutionError, match='needs the split form'):
+    yax.lora(mox, nnx.state(model), '//module_call[@type="Linear"]', rank=1)

@@ -28,6 +28,7 @@ import yax
 from yax._src.ir import text as _text
 from yax._src.views import query as _query
 from yax._src.views import serialize as _serialize
+from helpers import Picky
 
 YAX_DIR = os.path.dirname(yax.__file__)
 
@@ -416,21 +417,6 @@ def test_symbol_with_an_odd_aval():
   assert data['children'][0]['attrs']['type'] == 'None'
 
 
-@jax.tree_util.register_pytree_node_class
-class Picky:
-  """A pytree node whose unflatten accepts arrays only."""
-
-  def __init__(self, w):
-    if not hasattr(w, 'shape'):
-      raise TypeError('Picky holds arrays')
-    self.w = w
-
-  def tree_flatten(self):
-    return (self.w,), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(*children)
 
 
 def test_var_paths_of_a_picky_pytree_are_left_out():
@@ -439,6 +425,21 @@ def test_var_paths_of_a_picky_pytree_are_left_out():
   node = yax.Mox([var], [var], module_ty=MLP, var_tree=tree, path=('p',))
   (inp, _) = yax.to_dict(node)['children']
   assert 'var' not in inp['attrs']  # no path can be named, none is shown
+
+
+def test_nnx_variable_kinds_of_a_picky_pytree_are_shown():
+  """The variable types of an NNX call come from its VariableTree's own
+  node: a picky pytree below it (its unflatten refuses placeholders) used
+  to make the call look like Linen (no vartype, no NNX grouping)."""
+  from flax import nnx
+  from yax._src.ir.variables import VariableTree
+  tree = VariableTree({'w': Picky(jnp.ones(2))})
+  tree.kinds, tree.flags = ('Param',), ((True, True),)
+  var = yax.Var(jax.core.ShapedArray((2,), jnp.float32))
+  node = yax.Mox([var], [var], module_ty=nnx.Linear,
+                 var_tree=jax.tree_util.tree_structure(tree), path=('p',))
+  (inp, _) = yax.to_dict(node)['children']
+  assert inp['attrs']['vartype'] == 'Param'
 
 
 # ============================================================== eval_mox
@@ -644,3 +645,37 @@ def _small_mox():
   if not _SMALL:
     _SMALL.append(yax.make_mox(lambda x: jnp.sin(x) * 2.0)(jnp.ones(3)))
   return _SMALL[0]
+
+
+# ------------------------------------------- every view sees the same calls
+
+def test_every_view_sees_the_same_module_calls_with_jitted_helpers():
+  """A jit-ed helper (nn.silu) and a jax.jit-ed function called inside a
+  module: their bodies call no module, so no view shows them as module
+  calls; map_mox used to yield each body as an ephemeral Mox at <root>."""
+  from helpers import assert_views_agree, module_calls_per_view
+
+  @jax.jit
+  def helper(x):
+    return jnp.tanh(x) * 2.0
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return helper(nn.silu(nn.Dense(3, name='fc')(x)))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Block(name='b1')(Block(name='b0')(x))
+
+  x = jnp.ones((2, 3))
+  variables = Net().init(jax.random.key(0), x)
+  mox = yax.make_mox(Net().apply)(variables, x)
+  views = module_calls_per_view(mox)
+  # What plain Flax calls: Net, b0, b0/fc, b1, b1/fc (and the root).
+  want = [('', '', 'true'), ('', 'Net', 'false'), ('b0', 'Block', 'false'),
+          ('b0/fc', 'Dense', 'false'), ('b1', 'Block', 'false'),
+          ('b1/fc', 'Dense', 'false')]
+  assert views['map_mox'] == want
+  assert assert_views_agree(mox) == 5

@@ -205,3 +205,17 @@ def without_name_stack(source_info):
   if hasattr(source_info, 'replace'):
     return source_info.replace(name_stack=empty)
   return source_info._replace(name_stack=empty)  # a NamedTuple (older JAX)
+
+
+def name_stack_text(eqn) -> str:
+  """The ``jax.named_scope`` stack an equation of a ``jax.make_jaxpr``
+  result was traced under, as text (``jvp(yax.call3)/yax.call5``).
+
+  Why: ``JaxprEqn.source_info.name_stack`` is where JAX records named
+  scopes (its own ``saved_residuals`` and profiler names read it); no
+  public function returns it. ``yax.memory_report`` attributes residuals
+  to module calls by the scopes it opens around them. ``''`` when absent.
+  """
+  info = getattr(eqn, 'source_info', None)
+  stack = getattr(info, 'name_stack', None)
+  return '' if stack is None else str(stack)

@@ -49,6 +49,60 @@ def key_name(key) -> Any:
       'FlattenedIndexKey')
 
 
+def placeholder_parts(treedef, start: int = 0) -> list[tuple[tuple, Any]]:
+  """``treedef`` built with each leaf's index (from ``start``) as its leaf,
+  as ``[(key path, subtree)]`` parts that cover its leaves in order.
+
+  One part, ``((), whole tree)``, unless a pytree node of the treedef
+  refuses placeholder leaves (a user's class whose constructor checks its
+  children): then each child of every node that refuses is built on its
+  own, and that node's children are keyed as its type flattens them when
+  that is known without an instance (dicts by key, lists and tuples by
+  position, namedtuples by field), else by position
+  (``FlattenedIndexKey``). So every leaf is reached, and keys below the
+  refusing node keep their names.
+
+  Example: ``placeholder_parts(tree_structure({'a': 1}))`` is
+  ``[((), {'a': 0})]``.
+  """
+  n = treedef.num_leaves
+  try:
+    return [((), jtu.tree_unflatten(treedef, range(start, start + n)))]
+  except Exception:  # noqa: BLE001 - a node refuses placeholders: handled
+    children = treedef.children()
+    if not children:
+      raise
+  ty, aux = treedef.node_data()
+  if ty is dict:
+    keys = [jtu.DictKey(k) for k in aux]
+  elif issubclass(ty, tuple) and hasattr(ty, '_fields'):
+    keys = [jtu.GetAttrKey(f) for f in ty._fields]
+  elif ty in (list, tuple):
+    keys = [jtu.SequenceKey(i) for i in range(len(children))]
+  else:
+    keys = [jtu.FlattenedIndexKey(i) for i in range(len(children))]
+  out = []
+  for key, child in zip(keys, children, strict=True):
+    out.extend(((key, *kp), sub) for kp, sub in placeholder_parts(child, start))
+    start += child.num_leaves
+  return out
+
+
+def leaf_keypaths(treedef) -> list[tuple]:
+  """The key path of each leaf of ``treedef``, in leaf order, as
+  ``jax.tree_util.tree_flatten_with_path`` names them (see
+  :func:`placeholder_parts` for a node that refuses placeholder leaves).
+
+  Example: ``leaf_keypaths(tree_structure({'a': 1}))`` is
+  ``[(DictKey('a'),)]``.
+  """
+  out: list = [None] * treedef.num_leaves
+  for prefix, sub in placeholder_parts(treedef):
+    for kp, i in jtu.tree_flatten_with_path(sub)[0]:
+      out[i] = (*prefix, *kp)
+  return out
+
+
 def unboxed_path(keypath: tuple) -> tuple:
   """A key path without the ``value`` field of the box that holds the
   array (a Linen ``nn.Partitioned``, an NNX Variable)."""

@@ -25,6 +25,7 @@ compared:
   ``remat`` and other call-like primitives sum their bodies; ``scan`` counts
   its body ``length`` times, ``cond`` its costliest branch, ``while`` its
   condition and body once (the trip count is not known statically).
+* ``top_k``: one comparison per operand element (XLA reports no cost).
 
 **Unknown primitives** (not in the table): the default rule sums the FLOPs
 of the Jaxprs found in the equation's params (so new call-like primitives
@@ -201,7 +202,7 @@ _DATA_MOVEMENT = (
 )
 _CALLS = ('jit', 'pjit', 'closed_call', 'core_call', 'custom_jvp_call',
           'custom_vjp_call', 'custom_vjp_call_jaxpr', 'remat', 'checkpoint',
-          'custom_lin', 'shard_map', 'xla_call', 'named_call')
+          'remat2', 'custom_lin', 'shard_map', 'xla_call', 'named_call')
 
 FLOP_RULES: dict[str, FlopRule] = {
     **{p: _per_element(1) for p in _ELEMENTWISE},
@@ -216,6 +217,9 @@ FLOP_RULES: dict[str, FlopRule] = {
     'logistic': _per_element(4),  # 1 / (1 + exp(-x)): neg, exp, add, div
     'scatter-add': lambda ins, outs, params: _size(ins[2]),  # one per update
     'scatter': _zero,
+    # top_k: one comparison per operand element (XLA's cost analysis gives
+    # none: -1 for its custom call).
+    'top_k': lambda ins, outs, params: _size(ins[0]),
     'scan': _scan,
     'cond': _cond,
     'while': _sum_bodies,

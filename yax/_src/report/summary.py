@@ -47,7 +47,7 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.lower import dynamic, to_jaxpr
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol,
                                leaf_equations)
-from yax._src.ir.variables import var_entries
+from yax._src.ir.variables import placeholder_parts, var_entries
 from yax._src.report import flops as _flops
 
 PARAMS = 'params'
@@ -194,12 +194,16 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   read: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
     read.update(reads.of(node))
-  try:
-    located = _engine.locate(mox)
-    arguments = jax.tree_util.tree_unflatten(
-        mox.in_tree, list(range(len(mox.inputs))))
-  except Exception:  # noqa: BLE001 - a rewritten root with an odd in_tree
-    return {}
+  if mox.in_tree.num_leaves != len(mox.inputs):
+    raise YaxError(
+        f'summary: the root takes {len(mox.inputs)} inputs but its in_tree '
+        f'has {mox.in_tree.num_leaves} leaves, so its params cannot be '
+        'told apart from its other inputs; the tree was built '
+        'inconsistently (yax.check_mox says where)')
+  located = _engine.locate(mox)
+  # The traced arguments with each leaf's index in place of its value (in
+  # parts, where a pytree node of the user's refuses such placeholders).
+  arguments = [sub for _, sub in placeholder_parts(mox.in_tree)]
   in_variables = _nnx.param_leaves(arguments)
   linen = located.collections.get(PARAMS)
   prefixes = sorted(located.collections.values(), key=len, reverse=True)
@@ -493,6 +497,10 @@ class SummaryRow:
   # ``variables`` too, marked ``(unread)``, and in ``params`` here and in
   # the rows above.
   unread_params: int = 0
+  # Of ``params``, the LoRA adapters (``yax.lora``'s ``lora_a``, ``lora_b``,
+  # DoRA's ``lora_magnitude``, named after a kernel or method too): what
+  # trains (params ``lora(train=...)`` unfreezes are not marked in the tree).
+  trainable: int = 0
 
   @property
   def type(self) -> str:
@@ -528,6 +536,7 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
   out: list[SummaryRow] = []
   parents: list[int | None] = []  # the row each row sits in
   reads = ParamReads(mox)
+  adapters = adapter_params(mox, reads)
 
   def visit(node: Expr, level: int, owner: Mox | None, parent: int | None):
     if isinstance(node, Mox) and (not node.is_ephemeral or _is_group(node)):
@@ -556,7 +565,8 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
           variables=tuple(texts),
           own_params=own_params, params=n, param_bytes=nbytes,
           other_vars={k: count(v)[0] for k, v in groups.items()},
-          flops=flops(node), node=node, dtype=compute_dtype(node)))
+          flops=flops(node), node=node, dtype=compute_dtype(node),
+          trainable=count(s for k, s in read.items() if k in adapters)[0]))
       parents.append(parent)
       level, owner, parent = level + 1, node, len(out) - 1
     for child in node.children:
@@ -564,6 +574,25 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
 
   visit(mox, 0, None, None)
   return _with_unread(out, parents, unread_params(mox, reads))
+
+
+ADAPTER_NAMES = ('lora_a', 'lora_b', 'lora_magnitude')
+
+
+def adapter_params(mox: Expr, reads: ParamReads | None = None
+                   ) -> dict[int, Symbol]:
+  """``{id: symbol}`` (root scope) of the LoRA adapter params the calls of
+  ``mox`` read: variables named ``lora_a``, ``lora_b``, ``lora_magnitude``
+  (or ending so: ``attend_lora_a``, ``wi_0_lora_b``)."""
+  reads = ParamReads(mox) if reads is None else reads
+  found = {}
+  for node in module_calls(mox):
+    for entry in var_entries(node):
+      name = entry.rel_path[-1] if entry.rel_path else ''
+      if entry.is_param and name.endswith(ADAPTER_NAMES):
+        s = reads._root_symbol(entry.symbol)
+        found[id(s)] = s
+  return found
 
 
 def _with_unread(rows: list[SummaryRow], parents: list[int | None],
@@ -848,7 +877,12 @@ def format_summary(mox: Mox, *, depth: int | None = None,
   # quantized (plain trees print as before).
   show = dtypes or any(isinstance(r.node.params.get(k), str) for r in rows
                        for k in ('compute_dtype', 'quant'))
+  adapted = any(r.trainable for r in rows)
   for layout in _LAYOUTS:
+    if adapted:  # after lora: the adapters' count, before the params
+      at = next(i for i, c in enumerate(layout) if c[0] == 'params')
+      layout = [*layout[:at], ('trainable', lambda r: _count(r.trainable),
+                               True, False), *layout[at:]]
     if show:
       layout = [*layout[:-3], ('dtype', lambda r: r.dtype, False, True),
                 *layout[-3:]] if len(layout) > 5 else [
@@ -866,6 +900,10 @@ def format_summary(mox: Mox, *, depth: int | None = None,
   lines.append(f'Total params: {n:,} ({human_bytes(nbytes)})' + (
       f', {unread:,} of them read by no module call (unread)'
       if unread else ''))
+  if adapted:
+    n_train = count(adapter_params(mox).values())[0]
+    lines.append(f'Trainable params (LoRA adapters): {n_train:,} of {n:,} '
+                 f'({100 * n_train / max(n, 1):.4f}%)')
   lines.append(f'FLOPs: {flops(mox):,} (matmul, convolution and element-wise '
                'work; a transcendental counts as one)')
   missing = _flops.uncounted_primitives(eqns)

@@ -603,23 +603,53 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
   call where :func:`kernel_plan` finds one; else each of its kernels
   adapted in place, at the contraction that reads it (``KernelPlan.site``:
   a MoE's expert kernels, a kernel whose output goes through an
-  activation before the module returns it). Kernels with no such
-  contraction are left out; the reason of :func:`kernel_plan` when none
-  has one."""
+  activation before the module returns it). A parameter that reaches no
+  contraction (an embedding table, a norm's scale) is no kernel; a kernel
+  that reaches one but fits no rewrite, next to kernels that do, makes the
+  whole call refused, naming it and why (never some kernels of a call
+  rewritten and others silently not); the reason of :func:`kernel_plan`
+  when none fits."""
   one = kernel_plan(node, rank)
   if isinstance(one, KernelPlan):
     return [one]
-  plans = []
+  keys = var_keys(node)
+  plans, left = [], []
   for i in _own_params(node):
     if node.var_inputs[i].aval is None or node.var_inputs[i].aval.ndim < 2:
       continue
     got = find_site(node, i)
-    if isinstance(got, str):
-      continue
-    plan = _plan(node, i, got[0], rank, site=got[1])
+    plan = got if isinstance(got, str) else _plan(node, i, got[0], rank,
+                                                  site=got[1])
     if isinstance(plan, KernelPlan):
       plans.append(plan)
+    elif _reaches_contraction(node, i):
+      left.append((keys[i], f"{'/'.join(keys[i])} ({plan})"))
+  # A quantized kernel's scales reach its contraction as part of it.
+  scales = {(*p.kernel_keys[:-1], f'{p.kernel_name}_scale') for p in plans
+            if p.quant is not None}
+  left = [why for k, why in left if tuple(k) not in scales]
+  if plans and left:
+    done = ', '.join('/'.join(p.kernel_keys) for p in plans)
+    return (f'it contracts kernels that fit ({done}) and kernels that do '
+            f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
+            'and not others is refused')
   return plans or one
+
+
+def _reaches_contraction(node: Mox, index: int) -> bool:
+  """Whether ``node``'s variable input ``index``, or a value computed
+  from it in the call's body, is an operand of a contraction."""
+  flat = _Flattener()
+  flat.node_children(node.children)
+  reached = {flat.canon(node.inputs[index])}
+  for eqn in flat.eqns:
+    if not any(not _is_literal(s) and s in reached for s in eqn.inputs):
+      continue
+    name = eqn.prim.name if eqn.prim is not None else None
+    if name in CONTRACTIONS or name == RAGGED:
+      return True
+    reached.update(flat.canon(s) for s in eqn.outputs)
+  return False
 
 
 def _plan(node: Mox, index: int, c: Contraction, rank: int,
@@ -632,7 +662,9 @@ def _plan(node: Mox, index: int, c: Contraction, rank: int,
     kc = (lc, rc)[c.kernel_side]
     contracted = sorted(c.perm[a] for a in kc)
     stack = _stacked_axes(node, index, sorted(
-        c.perm[a] for a in (lb, rb)[c.kernel_side]))
+        c.perm[a] for a in (lb, rb)[c.kernel_side]), contracted)
+    if isinstance(stack, str):
+      return stack
     if site is not None and not stack:
       stack = _leading_axes(shape, contracted)
     other = [v for v in range(len(shape))
@@ -670,44 +702,74 @@ def _leading_axes(shape: tuple, contracted: list) -> tuple:
   return tuple(range(first))
 
 
-def _stacked_axes(node: Mox, index: int, batch: list) -> tuple:
-  """The kernel axes among ``batch`` (its contraction's batch axes) that
-  a lifted ``nn.vmap`` stacked: the axes the kernel has beyond the shape
-  the module itself declares at the call's argument shapes. (A batch axis
-  the module declares, as ``DenseGeneral(batch_dims=...)``'s, is a kernel
-  axis like any other.)"""
-  cls = node.rebuild_ty
-  if not batch or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-    return ()
-  keys = var_keys(node)[index]
-  try:
-    fields = {f.name for f in dataclasses.fields(cls)
-              if f.init and f.name not in ('parent', 'name')}
-    module = cls(**{k: v for k, v in node.params.items() if k in fields})
-    method = getattr(cls, node.entrypoint or '__call__')
-
-    def init(*arrays):
-      it = iter(arrays)
-      args, kwargs = jtu.tree_unflatten(node.in_tree, [
-          next(it) if s.aval is not None else s.value
-          for s in node.arg_inputs])
-      return module.init(jax.random.key(0), *args, method=method, **kwargs)
-    declared = jax.eval_shape(init, *(
-        jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
-        for s in node.arg_inputs if s.aval is not None))
-    declared = tuple(nn.meta.unbox(declared)[keys[0]][keys[1]].shape)
-  except Exception:  # pylint: disable=broad-except
-    # The module cannot be rebuilt from its recorded fields: no stacking
-    # is assumed (its batch axes are kernel axes like any other).
-    return ()
+def _stacked_axes(node: Mox, index: int, batch: list,
+                  contracted: list) -> tuple | str:
+  """The kernel axes that a lifted ``nn.vmap`` stacked: the axes the
+  kernel has beyond the shape the module itself declares at the call's
+  argument shapes, looked for among its contraction's ``batch`` axes (a
+  batched input), then among its other non-contracted axes (an input the
+  vmap does not batch, ``in_axes=None``: the stack is a free axis of the
+  kernel). (A batch axis the module declares, as
+  ``DenseGeneral(batch_dims=...)``'s, is a kernel axis like any other.)
+  A kernel with at most one non-contracted axis besides ``batch`` has no
+  free stack axis, so the module is rebuilt only when there is a candidate.
+  A reason string when the module cannot be rebuilt to tell."""
   shape = tuple(node.var_inputs[index].aval.shape)
+  free = [v for v in range(len(shape)) if v not in contracted
+          and v not in batch]
+  if not batch and len(free) < 2:
+    return ()
+  cls = node.rebuild_ty
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    return ()  # NNX: nnx.vmap stacks are traced with their own kernel
+  declared = _declared_shape(node, index)
+  if isinstance(declared, str):
+    return declared
   extra = len(shape) - len(declared)
   if extra <= 0:
     return ()
-  for axes in itertools.combinations(batch, extra):
-    if tuple(n for i, n in enumerate(shape) if i not in axes) == declared:
-      return tuple(axes)
-  return ()
+  for pool in (batch, [*batch, *free]):
+    for axes in itertools.combinations(sorted(pool), extra):
+      if tuple(n for i, n in enumerate(shape) if i not in axes) == declared:
+        return tuple(axes)
+  return (f"its kernel {'/'.join(var_keys(node)[index])} has shape "
+          f'{shape}, {extra} axes more than the {declared} that '
+          f'{cls.__name__} declares, and no choice of its non-contracted '
+          'axes as a lifted stack gives that shape')
+
+
+def _declared_shape(node: Mox, index: int) -> tuple | str:
+  """The shape of the kernel at ``index`` that the module declares when
+  it is built alone from its recorded fields and initialized at the
+  call's argument shapes; a reason string when it cannot be."""
+  cls = node.rebuild_ty
+  keys = var_keys(node)[index]
+  fields = {f.name for f in dataclasses.fields(cls)
+            if f.init and f.name not in ('parent', 'name')}
+  method = getattr(cls, node.entrypoint or '__call__')
+
+  def init(*arrays):
+    module = cls(**{k: v for k, v in node.params.items() if k in fields})
+    it = iter(arrays)
+    args, kwargs = jtu.tree_unflatten(node.in_tree, [
+        next(it) if s.aval is not None else s.value
+        for s in node.arg_inputs])
+    return module.init(jax.random.key(0), *args, method=method, **kwargs)
+  try:
+    declared = jax.eval_shape(init, *(
+        jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
+        for s in node.arg_inputs if s.aval is not None))
+    declared = nn.meta.unbox(declared)[keys[0]][keys[1]]
+  except Exception as e:  # pylint: disable=broad-except
+    # Named case: the module cannot be rebuilt alone (a field that is not
+    # recorded, a submodule it expects from its parent ...). Which kernel
+    # axes a lifted transform stacked is then unknown: refused.
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"cannot tell which axes of its kernel {'/'.join(keys)} a "
+            f'lifted nn.vmap stacked: {cls.__name__} built alone from its '
+            f'recorded fields fails to initialize '
+            f'({type(e).__name__}: {first[:200]})')
+  return tuple(declared.shape)
 
 
 def kernel_source(sym: Symbol, ancestors: tuple, keypaths: dict):

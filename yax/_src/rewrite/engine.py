@@ -38,9 +38,10 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.containers import set_in
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
                                iter_nodes)
-from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name, location,
-                                   unboxed_path, var_entries, var_keys,
-                                   var_kind, with_variables)
+from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name,
+                                   leaf_keypaths, location, unboxed_path,
+                                   var_entries, var_keys, var_kind,
+                                   with_variables)
 from yax._src.trace import nnx as _nnx
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
@@ -62,11 +63,9 @@ def _where(node: Expr, path: tuple = ()) -> str:
 def root_keypaths(root: Mox) -> dict:
   """Root input symbol -> its key path in ``(args, kwargs)``. The value
   field of an NNX Variable is left out: the path is the Variable's."""
-  placeholders = jtu.tree_unflatten(root.in_tree, range(len(root.inputs)))
-  out = {}
-  for keypath, i in jtu.tree_flatten_with_path(placeholders)[0]:
-    out[root.inputs[i]] = tuple(key_name(k) for k in unboxed_path(keypath))
-  return out
+  keypaths = leaf_keypaths(root.in_tree)
+  return {sym: tuple(key_name(k) for k in unboxed_path(keypath))
+          for sym, keypath in zip(root.inputs, keypaths, strict=True)}
 
 
 def _var_locs(mox: Mox) -> list[tuple[Loc, Symbol]]:
@@ -666,9 +665,11 @@ class _Substitution:
           f'({", ".join(s.type_str for s in old_outs)}) but the replacement '
           f'has {len(new_outs)} ({", ".join(s.type_str for s in new_outs)})')
     for pos, (old, new) in enumerate(zip(old_outs, new_outs, strict=True)):
+      # An output nothing reads may change type (``retype``); inside a
+      # body, the equation's output it becomes changes with it (see
+      # rebuild_equation; yax.cast checks the chain before it asks).
       if not _same_type(old, new) and not (
-          self.retype and not any(f.is_body for f in self.stack)
-          and old not in self.read_symbols()):
+          self.retype and old not in self.read_symbols()):
         raise SubstitutionError(
             f'cannot substitute {_where(node, self.enclosing_path())}: output {pos} has type '
             f'{old.type_str} but the replacement gives {new.type_str}')
@@ -941,10 +942,17 @@ def _excluding(node: Expr, others=()) -> str:
   return ' and '.join(parts)
 
 
-def leave_out_hint(problems, selection, targets=()) -> str:
+def leave_out_hint(problems, selection, targets=(), root=None) -> str:
   """How a refusal ends: ``selection`` with a predicate that leaves out
   the refused nodes (``problems``: ``(node, wrapped)``, wrapped for a node
-  inside a LoRA call), as ONE XPath on the last line."""
+  inside a LoRA call), as ONE XPath on the last line. No XPath where it
+  would select nothing: every target refused, or (given the tree
+  ``root``) the XPath matching no node of it."""
+  nothing_left = ('No selection is suggested: every module call it matches '
+                  'is refused; select other module calls.')
+  refused = {id(n) for n, _ in problems}
+  if targets and all(id(t) in refused for t in targets):
+    return nothing_left
   conditions = list(dict.fromkeys(
       'parent::module_call[@type="LoRA"]' if wrapped else _excluding(
           n, targets) for n, wrapped in problems))
@@ -956,9 +964,19 @@ def leave_out_hint(problems, selection, targets=()) -> str:
     fixed = (selection + predicate if simple
              else f'({selection}){predicate}')
     them = 'it' if len(problems) == 1 else 'them'
+    if root is not None and not _selects_any(fixed, root):
+      return nothing_left
     return f'Leave {them} out of the selection, e.g.:\n  {fixed}'
+  fixed = f'//module_call[@type="Dense"]{predicate}'
+  if root is not None and not _selects_any(fixed, root):
+    return 'Leave them out of the node list.'
   return ('Leave them out of the node list, or select with an XPath such '
-          f'as:\n  //module_call[@type="Dense"]{predicate}')
+          f'as:\n  {fixed}')
+
+
+def _selects_any(xpath: str, root: Mox) -> bool:
+  from yax._src.views.query import query  # as select() imports it
+  return bool(query(xpath, root))
 
 
 def _describe_selection(selection) -> str:

@@ -50,6 +50,7 @@ from jax.extend import core as jex
 from yax._src.errors import PatternError, SubstitutionError, XPathError
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol,
                                leaf_equations)
+from yax._src.ir.variables import leaf_keypaths
 from yax._src.trace.make import opened
 
 __all__ = ['Match', 'match', 'group', 'explain_match', 'trace_like']
@@ -1155,13 +1156,8 @@ def _str_keys(tree, n: int) -> list[tuple[str, ...]]:
   treedef is missing or does not have ``n`` leaves."""
   if tree is None or getattr(tree, 'num_leaves', None) != n or n == 0:
     return []
-  try:
-    flat = jax.tree_util.tree_flatten_with_path(
-        jax.tree_util.tree_unflatten(tree, range(n)))[0]
-  except Exception:  # noqa: BLE001 - an odd treedef names no paths
-    return []
   out = []
-  for keypath, _ in flat:
+  for keypath in leaf_keypaths(tree):
     keys = []
     for k in keypath:
       for attr in ('key', 'name', 'idx'):

@@ -21,8 +21,8 @@ NF4_LEVELS = np.array([
 
 # format -> (storage dtype, the largest stored magnitude, bits)
 FORMATS = {
-    'int8': (jnp.int8, 127.5, 8),
-    'int4': (jnp.int4, 7.5, 4),
+    'int8': (jnp.int8, 127.0, 8),
+    'int4': (jnp.int4, 7.0, 4),
     'fp8': (jnp.float8_e4m3fn, 448.0, 8),
     'nf4': (jnp.uint4, 1.0, 4),
 }
@@ -102,13 +102,10 @@ def _codes(w, fmt: str, contracted: tuple):
     return jnp.argmin(jnp.abs(x[..., None] - NF4_LEVELS), axis=-1), scale
   if fmt == 'fp8':
     return w / scale, scale
-  # The absmax maps to +-(2^(bits-1) - 1/2), so every code of the signed
-  # range [-2^(bits-1), 2^(bits-1) - 1] is used (Qwix's convention: a
-  # finer step than +-127, +-7). The absmax itself is a rounding tie, set
-  # exactly so that it breaks the same way everywhere (-128, and 128
-  # clipped to 127).
-  x = jnp.where(jnp.abs(w) == absmax, jnp.sign(w) * top, w / scale)
-  return jnp.clip(jnp.round(x), -top - 0.5, top - 0.5), scale
+  # Symmetric absmax (the SPEC): the absmax maps to +-qmax (127, 7), codes
+  # are clipped to [-qmax, qmax] and rounded half to even, so that
+  # q(-w) = -q(w) and the rounding error has no bias.
+  return jnp.clip(jnp.round(w / scale), -top, top), scale
 
 
 def per_slice(fn, stack: int):
@@ -118,14 +115,98 @@ def per_slice(fn, stack: int):
   return fn
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
 def quantize_kernel(kernel, fmt: str, contracted: tuple, tile=None,
                     stack: int = 0, perm: tuple | None = None):
+  """``quantize_array`` per slice of ``stack`` leading axes. Every tool
+  that stores a kernel quantized calls this one function, so they store
+  the same codes and scales for the same kernel.
+
+  An ``int8``/``int4`` kernel held on the host (a NumPy array, or a JAX
+  array on one CPU device) is quantized in NumPy: nothing to compile (the
+  first ``quantize`` of BERT-base compiled once per kernel shape, most of
+  its time), with IEEE division as eager ``jnp`` does. Others are compiled
+  once per kernel shape (``_quantize_kernel_jit``).
+
+  Args:
+    kernel: the kernel as stored.
+    fmt: a key of ``FORMATS``.
+    contracted: the axes of one slice that its scale reduces.
+    tile: elements of the contracted axes per scale (None: all of them).
+    stack: leading axes of the sliced kernel that stack one kernel each.
+    perm: see ``_quantize_kernel_jit``.
+
+  Returns:
+    ``(codes, scale)``: codes in ``FORMATS[fmt][0]`` and the kernel's
+    stored layout, float32 scales stacked on the leading axes.
+
+  Example::
+
+    q, scale = quantize_kernel(w, 'int8', (0,))   # w: [in, out]
+  """
+  if fmt in ('int8', 'int4') and _on_host(kernel):
+    return _host_quantize(kernel, fmt, contracted, tile, stack, perm)
+  return _quantize_kernel_jit(kernel, fmt, contracted, tile, stack, perm)
+
+
+def _on_host(kernel) -> bool:
+  """Whether ``kernel`` is a concrete array in host memory."""
+  if isinstance(kernel, np.ndarray):
+    return True
+  if not isinstance(kernel, jax.Array) or isinstance(kernel, jax.core.Tracer):
+    return False
+  devices = kernel.devices()
+  return len(devices) == 1 and next(iter(devices)).platform == 'cpu'
+
+
+def _host_quantize(kernel, fmt: str, contracted: tuple, tile, stack: int,
+                   perm):
+  """``_quantize_kernel_jit`` for ``int8``/``int4`` in NumPy, the
+  results put where ``kernel`` is."""
+  w = np.asarray(kernel)
+  w = w if w.dtype == np.float32 else w.astype(np.float32)
+  if perm is not None:
+    w = np.transpose(w, perm)
+  axes = tuple(stack + a for a in contracted)
+  if tile is None:
+    groups, back = w, lambda x: x
+    reduce = axes
+  else:  # [*stack, tiles, tile, *other axes]
+    other = [i for i in range(stack, w.ndim) if i not in axes]
+    order = [*range(stack), *axes, *other]
+    moved = np.transpose(w, order)
+    size = int(np.prod([w.shape[i] for i in axes]))
+    if tile <= 0 or size % tile:
+      raise ValueError(f'tile={tile} does not divide the {size} contracted '
+                       f'elements of a kernel of shape {tuple(w.shape)}')
+    groups = moved.reshape(*w.shape[:stack], size // tile, tile,
+                           *moved.shape[stack + len(axes):])
+    back = lambda x: np.transpose(x.reshape(moved.shape), np.argsort(order))
+    reduce = (stack + 1,)
+  top = np.float32(FORMATS[fmt][1])
+  # Few passes over the kernel, in place where possible (rint: half to
+  # even, as jnp.round).
+  absmax = np.maximum(np.max(groups, axis=reduce, keepdims=True),
+                      -np.min(groups, axis=reduce, keepdims=True))
+  scale = np.where(absmax > 0, absmax / top, np.float32(1)).astype(np.float32)
+  x = groups / scale
+  np.rint(x, out=x)
+  codes = back(np.clip(x, -top, top, out=x))
+  if perm is not None:
+    codes = np.transpose(codes, np.argsort(perm))
+  codes = codes.astype(FORMATS[fmt][0])
+  if isinstance(kernel, jax.Array):
+    return (jax.device_put(codes, kernel.sharding),
+            jax.device_put(scale, kernel.sharding))
+  return jnp.asarray(codes), jnp.asarray(scale)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_kernel_jit(kernel, fmt: str, contracted: tuple, tile=None,
+                         stack: int = 0, perm: tuple | None = None):
   """``quantize_array`` per slice of ``stack`` leading axes, compiled once
-  per kernel shape. Every tool that stores a kernel quantized calls this
-  one function, so they store the same codes and scales: compiled, XLA
-  may divide by the constant as a product with its reciprocal, one ulp
-  away from the eager division (jax 0.8.0 does, on the CPU).
+  per kernel shape: compiled, XLA may divide by the constant as a product
+  with its reciprocal, one ulp away from the eager division (jax 0.8.0
+  does, on the CPU).
 
   ``perm``: the stacked kernel as stored is ``kernel`` with its axes in
   another order, ``jnp.transpose(kernel, perm)`` the one sliced (a stack

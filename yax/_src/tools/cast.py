@@ -210,7 +210,7 @@ def _recast(node: Mox, dtype, output) -> Mox:
     # variables and inputs stacked, which the module's own code does not
     # take: its traced (batched) body is run again instead.
     try:
-      return _replayed(node, dtype)
+      return _replayed(node, dtype, output)
     except _Refused:
       pass
     raise _Refused(f'tracing it again at {dtype.name} raised '
@@ -309,11 +309,42 @@ def _output_read(mox: Mox, chosen, output) -> list:
       continue
     changed = [s for s in node.outputs if s.aval is not None and
                _is_float(s.aval) and s.aval.dtype != output]
-    in_body = any(isinstance(a, Equation) for a in chosen.ancestors[id(node)])
-    if changed and (in_body or any(s in read for s in changed)):
+    ancestors = chosen.ancestors[id(node)]
+    if any(not _only_returned(s, ancestors, read) for s in changed):
       problems.append((node, (
           f'output={output.name}: its output {changed[0].type_str} is read '
           'further on in the tree, traced to read that dtype (only outputs '
           "nothing reads, the model's own, may change dtype; leave output= "
           'out to cast them back)')))
   return problems
+
+
+# Equations whose one body's outputs are their outputs, in order, run once:
+# a body output that nothing reads leaves as the equation's output, which
+# may then change dtype as the body's does (the engine retypes it).
+_PASSING = ('jit', 'pjit', 'closed_call', 'core_call', 'checkpoint', 'remat2')
+
+
+def _only_returned(sym, ancestors: list, read: set) -> bool:
+  """Whether nothing in the tree reads ``sym`` (an output of a call under
+  ``ancestors``, outermost first): followed out of every body it is
+  returned from (an ``nn.jit``/``nnx.jit`` body: the equation's output at
+  the same position), it is never an input of an equation or call. A body
+  that is not run once as it is (a scan's carry, a loop, a vmap) refuses."""
+  k = len(ancestors) - 1
+  while k >= 0:
+    if sym in read:
+      return False
+    scope = ancestors[k]
+    outer = ancestors[k - 1] if k > 0 else None
+    if isinstance(outer, Equation):  # scope is one of its bodies
+      if sym not in scope.outputs:
+        return True  # dropped by the body: nothing reads it
+      if outer.prim.name not in _PASSING or len(outer.children) != 1 or \
+          len(scope.outputs) != len(outer.outputs):
+        return False
+      sym = outer.outputs[list(scope.outputs).index(sym)]
+      k -= 2
+    else:
+      k -= 1
+  return sym not in read

@@ -31,9 +31,10 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Equation, Mox, iter_nodes
+from yax._src.ir.nodes import Equation, Literal, Mox, iter_nodes
 from yax._src.rewrite import pattern as _pattern
 from yax._src.rewrite.engine import describe, select, substitute
 from yax._src.tools.fewbit_tables import TABLES
@@ -72,13 +73,29 @@ ACTIVATIONS: dict[str, Callable] = {
 }
 
 
-def table(name: str, bits: int):
+# Leaky ReLU's slope where none is given (``jax.nn.leaky_relu``'s default).
+LEAKY_SLOPE = 0.01
+
+
+def _leaky_table(bits: int, slope: float):
+  """Leaky ReLU's ``f'`` is ``slope`` below 0 and 1 from 0 on: two pieces,
+  exact at every ``bits`` with one border at 0 (the others at ``+inf``,
+  never reached by a finite input)."""
+  borders = (0.0,) + (math.inf,) * (2 ** bits - 2)
+  levels = (float(slope),) + (1.0,) * (2 ** bits - 1)
+  return borders, levels, 0.0
+
+
+def table(name: str, bits: int, slope: float | None = None):
   """``(borders, levels, rmse)`` of the step function for ``f'``.
 
   ``borders``: ``2**bits - 1`` increasing floats; ``levels``: ``2**bits``
   floats, level ``i`` on ``[borders[i-1], borders[i])``; ``rmse``:
-  ``sqrt(E[(f'(x) - s(x))**2])`` for ``x ~ N(0, 1)``.
+  ``sqrt(E[(f'(x) - s(x))**2])`` for ``x ~ N(0, 1)``. ``slope``: leaky
+  ReLU's negative slope (default 0.01); its table is computed, exact.
   """
+  if name == 'leaky_relu' and bits in BITS:
+    return _leaky_table(bits, LEAKY_SLOPE if slope is None else slope)
   if name not in TABLES:
     raise SubstitutionError(
         f'fewbit has no table for the activation {name!r}; supported: '
@@ -89,9 +106,9 @@ def table(name: str, bits: int):
   return TABLES[name][bits]
 
 
-def encode(name: str, bits: int, x) -> jax.Array:
+def encode(name: str, bits: int, x, slope: float | None = None) -> jax.Array:
   """Interval index of each element of ``x`` (``uint8``, same shape)."""
-  borders = jnp.asarray(table(name, bits)[0], jnp.float32)
+  borders = jnp.asarray(table(name, bits, slope)[0], jnp.float32)
   flat = jnp.ravel(x).astype(jnp.float32)
   codes = jnp.searchsorted(borders, flat, side='right')
   return codes.astype(jnp.uint8).reshape(jnp.shape(x))
@@ -141,21 +158,25 @@ def unpack(packed: jax.Array, bits: int, shape) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def fewbit_function(name: str, bits: int) -> Callable:
-  """``f`` with its forward pass and a ``bits``-bit backward pass."""
+def fewbit_function(name: str, bits: int,
+                    slope: float | None = None) -> Callable:
+  """``f`` with its forward pass and a ``bits``-bit backward pass;
+  ``slope``: leaky ReLU's negative slope (``None``: its default)."""
   fn = ACTIVATIONS[name]
-  table(name, bits)  # refuse unknown bits before tracing anything
+  if slope is not None:
+    fn = functools.partial(fn, negative_slope=slope)
+  table(name, bits, slope)  # refuse unknown bits before tracing anything
 
   @jax.custom_vjp
   def f(x):
     return fn(x)
 
   def f_fwd(x):
-    return fn(x), pack(encode(name, bits, x), bits)
+    return fn(x), pack(encode(name, bits, x, slope), bits)
 
   def f_bwd(packed, g):
     codes = unpack(packed, bits, g.shape)
-    levels = jnp.asarray(table(name, bits)[1], jnp.float32)
+    levels = jnp.asarray(table(name, bits, slope)[1], jnp.float32)
     return ((g.astype(jnp.float32) * levels[codes]).astype(g.dtype),)
 
   f.defvjp(f_fwd, f_bwd)
@@ -165,12 +186,14 @@ def fewbit_function(name: str, bits: int) -> Callable:
 
 class FewBit(nn.Module):
   """An activation with a few-bit backward pass; ``name`` is the
-  activation (a key of ``ACTIVATIONS``)."""
+  activation (a key of ``ACTIVATIONS``); ``slope``: leaky ReLU's negative
+  slope where it is not the default."""
   bits: int = 3
+  slope: float | None = None
 
   @nn.compact
   def __call__(self, x):
-    return fewbit_function(self.name, self.bits)(x)
+    return fewbit_function(self.name, self.bits, self.slope)(x)
 
 
 def _fewbit_paths(mox: Mox) -> list[tuple]:
@@ -217,13 +240,57 @@ def _within(eqn: Equation) -> set[int]:
   return ids
 
 
+def _leaky_slope(eqn: Equation) -> float | None:
+  """The negative slope of a ``jit[name=leaky_relu]`` equation when it is
+  a literal (``jax.nn.leaky_relu(x, 0.1)``), else None."""
+  if not isinstance(eqn, Equation) or eqn.prim.name != 'jit' or \
+      eqn.params.get('name') != 'leaky_relu' or \
+      len(eqn.inputs) != 2 or not isinstance(eqn.inputs[1], Literal):
+    return None
+  try:
+    return float(eqn.inputs[1].value)
+  except (TypeError, ValueError):  # not a number: no leaky ReLU of ours
+    return None
+
+
+def _leaky_slopes(mox: Mox) -> list[float]:
+  """Every slope a leaky ReLU of the tree is given explicitly as a literal
+  (opened bodies included): each is searched as its own pattern."""
+  slopes: dict[float, None] = {}
+  stack = [mox]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, Equation):
+      slope = _leaky_slope(node)
+      if slope is not None:
+        slopes.setdefault(slope, None)
+      holder = opened(node)
+      if holder is not None:
+        stack.extend(holder.children)
+    stack.extend(getattr(node, 'children', ()))
+  return list(slopes)
+
+
+def _patterns(mox: Mox):
+  """``(activation, function)`` in search order; leaky ReLU with its
+  default slope (baked into the jaxpr as a constant), then once per slope
+  given explicitly (a literal input of its ``jit``; a pattern matches
+  literals by value)."""
+  for name, fn in ACTIVATIONS.items():
+    yield name, fn
+    if name != 'leaky_relu':
+      continue
+    for slope in _leaky_slopes(mox):
+      yield name, functools.partial(fn, negative_slope=slope)
+
+
 def _find(mox: Mox, within) -> list[tuple[str, list]]:
   """``(activation, matches)`` per supported activation, in search order,
   with no equation in two matches and none inside a FewBit call."""
   taken: set[int] = set()
   skip = _fewbit_paths(mox)
   found = []
-  for name, fn in ACTIVATIONS.items():
+  for name, fn in _patterns(mox):
     chosen = []
     for m in _pattern.match(fn, mox, within=within):
       if any(id(e) in taken for e in m.equations) or _inside(m.path, skip):
@@ -232,7 +299,7 @@ def _find(mox: Mox, within) -> list[tuple[str, list]]:
         taken |= _within(e)
       chosen.append(m)
     if chosen:
-      found.append((name, chosen))
+      found.append((name, fn, chosen))
   return found
 
 
@@ -290,9 +357,9 @@ def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
   # found again on each grouped tree and kept where they are the same
   # equations as found on the original (equations are kept by grouping).
   tree, nodes = mox, []
-  for name, matches in found:
+  for name, fn, matches in found:
     wanted = {frozenset(id(e) for e in m.equations) for m in matches}
-    again = [m for m in _pattern.match(ACTIVATIONS[name], tree)
+    again = [m for m in _pattern.match(fn, tree)
              if frozenset(id(e) for e in m.equations) in wanted]
     tree, grouped = _pattern.group_matches(tree, again, name)
     nodes.extend(grouped)
@@ -309,10 +376,18 @@ class _Replacement:
 
   def __call__(self, path, node: Mox) -> Mox:
     (x,) = node.arg_inputs
-    key = (node.name, tuple(x.aval.shape), jnp.dtype(x.aval.dtype))
+    slope = None
+    if node.name == 'leaky_relu':
+      slopes = [s for s in map(_leaky_slope, iter_nodes(node))
+                if s is not None]
+      # The default slope (as the trace's float32 rounds it) stays None.
+      if slopes and float(np.float32(slopes[0])) != float(
+          np.float32(LEAKY_SLOPE)):
+        slope = slopes[0]
+    key = (node.name, slope, tuple(x.aval.shape), jnp.dtype(x.aval.dtype))
     traced = self.cache.get(key)
     if traced is None:
-      module = FewBit(bits=self.bits, name=node.name)
+      module = FewBit(bits=self.bits, name=node.name, slope=slope)
       spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
       traced = self.cache[key] = make_mox(module.apply)({}, spec)
     return traced

@@ -42,11 +42,15 @@ def _declared(mox: Mox) -> dict:
   rewrite added it), else the first call in evaluation order that holds
   it as its own."""
   out = {}
+  # A call that a later rewrite gave new variables (LoRA adapting a
+  # quantized kernel in place, in its body) is rebuilt without its class,
+  # its records kept: they count too.
+  for node in iter_nodes(mox):
+    if isinstance(node, Mox):
+      for keys in node.inits or ():
+        out.setdefault((keys[0], *node.path, *keys[1:]), node)
   nodes = [n for n in iter_nodes(mox)
            if isinstance(n, Mox) and not n.is_ephemeral]
-  for node in nodes:
-    for keys in node.inits or ():
-      out.setdefault((keys[0], *node.path, *keys[1:]), node)
   for node in nodes:
     for entry in var_entries(node):
       if len(entry.rel_path) == 1:
@@ -137,6 +141,13 @@ def init_params(mox: Mox, params, *, key):
   expected = (args if side == 0 else kwargs)[position]
   flat_expected = jtu.tree_flatten_with_path(
       expected, is_leaf=lambda s: isinstance(s, Symbol))[0]
+  # How the tree holds each NNX variable: its Variable type with the
+  # metadata the rewrite gave it (a LoRAParam's axis names), which eval_mox
+  # checks as static structure.
+  boxes = {_keys(kp): jtu.tree_structure(v) for kp, v in
+           jtu.tree_flatten_with_path(
+               expected, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+           if isinstance(v, nnx.Variable)}
   have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
   declared = _declared(mox)
   inside = {col: tuple(p[2:]) for col, p in prefixes.items()}
@@ -161,7 +172,7 @@ def init_params(mox: Mox, params, *, key):
     init = (node.inits or {}).get(keys)
     if init is not None:  # a rewrite's variable: a LoRA adapter, a scale
       values.extend(_recorded(node, init, keys, path, sym, folded, params,
-                              where))
+                              where, boxes))
       continue
     if id(node) not in cache:
       cls = node.rebuild_ty
@@ -181,7 +192,9 @@ def init_params(mox: Mox, params, *, key):
           f'init_params: {node.type_name}.init gives {where} as '
           f'{value.dtype}{list(value.shape)}, but the tree reads '
           f'{sym.type_str}')
-    if col == NNX_GROUP:
+    if col == NNX_GROUP and path in boxes:
+      value = jtu.tree_unflatten(boxes[path], [value])
+    elif col == NNX_GROUP:
       entry = next(e for e in var_entries(node)
                    if location(node, e) == loc)
       value = _nnx.variable_holding(entry.kind, value)
@@ -189,11 +202,13 @@ def init_params(mox: Mox, params, *, key):
   return set_many(params, values)
 
 
-def _recorded(node: Mox, init, keys, path, sym, key, params, where: str):
+def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
+              boxes: dict):
   """``[(native key path, value), ...]`` that the record ``init`` of
   ``node`` (``Mox.inits``) makes for the variable at ``keys`` (relative to
   the call) whose native key path is ``path``: the other variables it
-  reads and writes are at the same native prefix."""
+  reads and writes are at the same native prefix. ``boxes``: native key
+  path -> how the tree holds an NNX variable there (type and metadata)."""
   base = path[:len(path) - (len(keys) - 1)]
   native = lambda k: (*base, *k[1:])
 
@@ -221,6 +236,8 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str):
       old = None
     if old is not None:  # stored anew (a kernel quantized with its scale)
       out.append((native(k), boxed_like(old, value)))
+    elif k[0] == NNX_GROUP and native(k) in boxes:
+      out.append((native(k), jtu.tree_unflatten(boxes[native(k)], [value])))
     elif k[0] == NNX_GROUP:
       out.append((native(k), _nnx.variable_holding(kinds[k], value)))
     else:

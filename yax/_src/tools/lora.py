@@ -58,6 +58,7 @@ gets one adapter pair, read by both calls.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 import functools
 import math
@@ -80,12 +81,62 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      describe,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_kernel
+from yax._src.rewrite.recipe import recorded
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
+from yax._src.tools import lora_files as _files
+from yax._src.version import __version__
 
 
 class LoRA:
   """Marker class for LoRA module calls (``module_ty`` of adapted nodes)."""
+
+
+class TrainableCount(tuple):
+  """``(trainable, total)`` parameter counts, as ``peft``'s
+  ``print_trainable_parameters`` prints them (``str``)."""
+
+  def __new__(cls, trainable: int, total: int):
+    return super().__new__(cls, (int(trainable), int(total)))
+
+  @property
+  def trainable(self) -> int:
+    return self[0]
+
+  @property
+  def total(self) -> int:
+    return self[1]
+
+  @property
+  def fraction(self) -> float:
+    """``trainable / total`` (0.0 for an empty tree)."""
+    return self[0] / self[1] if self[1] else 0.0
+
+  def __str__(self):
+    return (f'trainable params: {self[0]:,} || all params: {self[1]:,} || '
+            f'trainable%: {100 * self.fraction:.4f}')
+
+
+def count_trainable(params, mask) -> TrainableCount:
+  """Elements of the leaves of ``params`` where ``mask`` is True, and of all
+  leaves (abstract ``ShapeDtypeStruct`` leaves count by their shape).
+
+  Example::
+
+      n = count_trainable(res.params, res.mask)   # (trainable, total)
+  """
+  trainable = total = 0
+  # Boxes (nn.Partitioned, NNX Variables) flatten to their value in both.
+  leaves, flags = jtu.tree_leaves(params), jtu.tree_leaves(mask)
+  if len(leaves) != len(flags):
+    raise SubstitutionError(
+        f'count_trainable: params has {len(leaves)} leaves, the mask '
+        f'{len(flags)}; the mask must have the params\' structure')
+  for leaf, flag in zip(leaves, flags):
+    size = math.prod(np.shape(leaf))
+    total += size
+    trainable += size if flag else 0
+  return TrainableCount(trainable, total)
 
 
 @dataclasses.dataclass
@@ -93,20 +144,109 @@ class LoraResult:
   """What ``yax.lora`` returns.
 
   Attributes:
-    mox: the rewritten tree.
+    mox: the rewritten tree (no dropout: evaluation and inference).
     params: the argument to pass where ``params`` went: the original weights
-      and the adapters (``lora_a`` random, ``lora_b`` zero).
+      and the adapters (``lora_a`` random, ``lora_b`` zero; with
+      ``init='svd'`` the kernels hold the residual).
     mask: a pytree of bools with ``params``' structure, True exactly on the
-      adapter weights (for ``optax.masked`` / ``optax.multi_transform``).
+      adapter weights and on the params ``train=`` selected
+      (for ``optax.masked`` / ``optax.multi_transform``).
     merge: ``merge(p)`` folds trained adapters in ``p`` into the kernels and
       returns a params tree for the ORIGINAL tree.
+    paths: module paths that were adapted.
+    config: what made the adapters, plain Python values (JSON-ready):
+      ``selection``, ``rank``, ``alpha``, ``scale``, ``variant`` ('lora' or
+      'dora'), ``init``, ``rslora``, ``dropout``, ``adapter_name``,
+      ``train``, ``collection`` (keys of the params collection inside
+      ``params``), ``paths`` and ``adapters`` (one dict per adapter pair:
+      ``path``, ``names``, ``kernel``, ``a_shape``, ``b_shape``,
+      ``magnitude`` (DoRA), ``mergeable``), ``yax_version``.
+    train_mox: the tree with LoRA dropout (``dropout > 0``): it takes one
+      more keyword argument, ``lora_dropout_key`` (a raw
+      ``jax.random.PRNGKey``); ``mox`` itself when ``dropout == 0``.
+    unmerge: ``unmerge(merged, trained)`` undoes ``merge``: params for
+      ``mox`` whose kernels are ``merged``'s with ``trained``'s adapters
+      taken out again.
+    recipe: this call recorded, to replay it on a new trace (``yax.keep``).
   """
   mox: Mox
   params: Any
   mask: Any
   merge: Callable[[Any], Any]
   paths: list  # module paths that were adapted
+  config: dict = dataclasses.field(default_factory=dict)
+  train_mox: Mox | None = None
+  unmerge: Callable[[Any, Any], Any] | None = None
+  recipe: Any = None
 
+  def save(self, path, params=None, *, format: str = 'safetensors') -> None:
+    """Saves the adapters (the leaves ``.mask`` marks) and what made them.
+
+    **Arguments:**
+    - ``path``: a file (``format='safetensors'``: one file, every adapter
+      gathered to this host) or a new directory (``format='orbax'``:
+      ``orbax-checkpoint``, each process writes its own shards).
+    - ``params``: the params to take the adapters from (the trained ones),
+      with ``.params``' structure; ``.params`` if omitted.
+    - ``format``: ``'safetensors'`` or ``'orbax'``.
+
+    Keys are the params paths joined with ``'/'``; the file's metadata
+    records the ``lora`` arguments, the adapted paths, the YAX version, the
+    adapters' dtypes and the types of the other params (the model they fit).
+    ``yax.load_lora`` reads either format. Raises ``yax.AdapterFileError``
+    (writing nothing) for params that cannot be saved.
+
+    Example::
+
+        res = yax.lora(mox, variables, rank=8)
+        trained = ...  # res.params trained where res.mask is True
+        res.save('adapters.safetensors', trained)
+    """
+    _files.save(self, path, self.params if params is None else params,
+                format=format, lora=lora)
+
+  def trainable_count(self, params=None) -> TrainableCount:
+    """``(trainable, total)`` element counts of ``params`` (default
+    ``.params``) under ``.mask``; ``str()`` of it reads as ``peft``'s
+    ``print_trainable_parameters``; ``.fraction`` is the ratio.
+
+    Example::
+
+        print(res.trainable_count())
+        # trainable params: 1,536 || all params: 52,000 || trainable%: 2.9538
+    """
+    return count_trainable(self.params if params is None else params,
+                           self.mask)
+
+  @property
+  def num_trainable(self) -> int:
+    """Trainable elements (adapters and ``train=`` params)."""
+    return self.trainable_count().trainable
+
+  def weighted(self, params, weights: dict):
+    """``params`` with the weights of named adapters set: ``weights``
+    maps an adapter name (``lora(adapter_name=...)``) to the factor its
+    adapters are scaled by (1 when made). Several adapters with weights:
+    their weighted sum (a combination); see :meth:`switch`. Works on any
+    params tree of this result's ``mox`` or of a later named ``lora`` on
+    it.
+
+    Example::
+
+        p = res_b.weighted(trained, {'a': 0.5, 'b': 0.5})
+    """
+    return set_adapter_weights(params, weights)
+
+  def switch(self, params, active: str):
+    """``params`` where only the named adapter ``active`` acts (weight 1;
+    every other named adapter 0)."""
+    names = adapter_weight_names(params)
+    if active not in names:
+      raise SubstitutionError(
+          f'switch: no adapter named {active!r} in params; its named '
+          f'adapters are {sorted(names)}')
+    return set_adapter_weights(params, {n: float(n == active)
+                                        for n in names})
 
 
 _ADAPTER_NAMES = ('lora_a', 'lora_b')
@@ -206,34 +346,79 @@ def _kernel_delta(plan: _contraction.KernelPlan, a, b):
   return delta
 
 
+def _dora_delta(c: _contraction.Contraction, k_ndim: int, x, w, a, b, m,
+                lora_out, scale: float):
+  """DoRA's change of a 2-D ``dot_general`` output: with ``W' = W + s A B``
+  and ``g = m / ||W'||`` (norm over the contracted axis, one per output
+  channel), the new output is ``g * (x W')``; returned as its difference
+  from ``x W``: ``(g - 1) * (x W) + g * lora_out`` (``lora_out``: ``s (x A)
+  B``, dropout applied to its input only)."""
+  x_sub, a_sub, _, b_sub, out, k_sub = _dot_letters(c, k_ndim, x.ndim)
+  full = w + scale * jnp.einsum(f'{a_sub},{b_sub}->{k_sub}', a, b)
+  contracted = tuple(i for i, l in enumerate(k_sub) if l in a_sub)
+  g = m / jnp.sqrt(jnp.sum(full * full, axis=contracted))
+  g_sub = ''.join(l for l in k_sub if l not in a_sub)
+  base = jnp.einsum(f'{x_sub},{k_sub}->{out}', x, w)
+  return (jnp.einsum(f'{out},{g_sub}->{out}', base, g - 1) +
+          jnp.einsum(f'{out},{g_sub}->{out}', lora_out, g))
+
+
 # The traced adapter is only read (its symbols are re-wired per node), so one
 # trace serves every node of the same plan: BERT-base's 73 Dense layers need
 # 3 traces instead of 73.
 @functools.lru_cache(maxsize=256)
 def _traced_adapter(c: _contraction.Contraction, k_ndim, a_shape, b_shape,
-                    x_aval, y_aval, dtype, scale, stack=(), extra=()):
-  def adapter(y, x, a, b, *more):
+                    x_aval, y_aval, dtype, scale, stack=(), extra=(),
+                    dropout=0.0, site=0, dora=None, weighted=False):
+  def adapter(y, x, a, b, *rest):
+    more, rest = rest[:len(extra)], rest[len(extra):]
+    if dora is not None:
+      kernel, magnitude, *rest = rest
+    if weighted:
+      weight, *rest = rest
     for step in c.x_steps:
       x = step.apply(x)
-    delta = _delta(c, k_ndim, x.astype(dtype), a, b, stack, *more)
-    delta = (scale * delta).astype(c.z_aval.dtype)
+    x = x.astype(dtype)
+    dropped = x
+    if dropout:  # LoRA dropout: on the adapter's input only
+      (key,) = rest
+      keep = jax.random.bernoulli(jax.random.fold_in(key, site),
+                                  1.0 - dropout, x.shape)
+      dropped = jnp.where(keep, x / (1.0 - dropout), jnp.zeros_like(x))
+    delta = scale * _delta(c, k_ndim, dropped, a, b, stack, *more)
+    if dora is not None:
+      delta = _dora_delta(c, k_ndim, x, kernel.astype(dtype), a, b,
+                          magnitude, delta, scale)
+    if weighted:
+      delta = weight * delta
+    delta = delta.astype(c.z_aval.dtype)
     for step in c.y_steps:
       delta = step.apply(delta)
     return y + delta.astype(y.dtype)
   spec = jax.ShapeDtypeStruct
-  return make_mox(adapter)(
-      spec(y_aval.shape, y_aval.dtype), spec(x_aval.shape, x_aval.dtype),
-      spec(a_shape, dtype), spec(b_shape, dtype),
-      *(spec(shape, kind) for shape, kind in extra))
+  specs = [spec(y_aval.shape, y_aval.dtype), spec(x_aval.shape, x_aval.dtype),
+           spec(a_shape, dtype), spec(b_shape, dtype),
+           *(spec(shape, kind) for shape, kind in extra)]
+  if dora is not None:
+    k_shape, k_dtype, m_shape = dora
+    specs += [spec(k_shape, k_dtype), spec(m_shape, dtype)]
+  if weighted:
+    specs.append(spec((), dtype))
+  if dropout:
+    specs.append(spec((2,), jnp.uint32))
+  return make_mox(adapter)(*specs)
 
 
-def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale,
-                 extra=()):
+def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype,
+                 opts: '_Options', extra=(), site=0, dora=None):
   """The traced adapter; ``extra``: (shape, dtype) of the contraction's
-  inputs beyond its two operands, which the adapter reads too."""
+  inputs beyond its two operands, which the adapter reads too; ``site``:
+  the adapter's number (its dropout mask folds it into the key);
+  ``dora``: (kernel shape, kernel dtype, magnitude shape) for DoRA."""
   args = (plan.contraction, len(plan.kernel_shape), plan.a_shape,
-          plan.b_shape, x_aval, y_aval, dtype, scale, plan.stack,
-          tuple(extra))
+          plan.b_shape, x_aval, y_aval, dtype, opts.scale, plan.stack,
+          tuple(extra), opts.dropout, site if opts.dropout else 0, dora,
+          opts.weighted)
   try:
     return _traced_adapter(*args)
   except TypeError as e:  # a step's parameter that is not hashable
@@ -242,21 +427,60 @@ def _adapter_mox(plan: _contraction.KernelPlan, x_aval, y_aval, dtype, scale,
     return _traced_adapter.__wrapped__(*args)
 
 
-def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: float) -> Mox:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """How the adapters are built: ``scale`` multiplies ``(x A) B``;
+  ``dropout`` > 0 reads the root keyword argument ``lora_dropout_key``."""
+  rank: int
+  alpha: float
+  scale: float
+  dropout: float = 0.0
+  dora: bool = False
+  weighted: bool = False  # a named adapter: its weight scales it
+
+
+DROPOUT_KEY = 'lora_dropout_key'
+
+
+def _key_input(opts: _Options, named: dict) -> list:
+  """The dropout key the adapter reads, as a new input of its call that
+  the rewrite makes the root keyword argument ``lora_dropout_key``."""
+  if not opts.dropout:
+    return []
+  key = Var(jax.core.ShapedArray((2,), jnp.uint32))
+  named[key] = DROPOUT_KEY
+  return [key]
+
+
+def _lora_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
+                   site: int = 0, named: dict | None = None,
+                   init: str = 'default', named_adapter=None) -> Mox:
   """A ``LoRA`` module call wrapping ``node``; reads the node's symbols."""
   c = plan.contraction
   kernel = node.var_inputs[c.kernel_index]
   x, y = node.inputs[c.x_index], node.outputs[c.y_index]
   dtype = adapter_dtype(kernel, c)
-  adapter = _adapter_mox(plan, x.aval, y.aval, dtype, alpha / rank)
+  dora = None
+  reads = []
+  if opts.dora:
+    m_shape = tuple(plan.b_shape[1:])
+    dora = (tuple(kernel.aval.shape), kernel.aval.dtype, m_shape)
+    magnitude = Var(jax.core.ShapedArray(m_shape, dtype))
+    reads = [kernel, magnitude]
+  if opts.weighted:
+    weight = Var(jax.core.ShapedArray((), dtype))
+    reads = [weight]
+  adapter = _adapter_mox(plan, x.aval, y.aval, dtype, opts, site=site,
+                         dora=dora)
   if adapter.constvars:
     raise SubstitutionError(
         f'internal: the traced LoRA adapter captured {len(adapter.constvars)} '
         'constants; it must be a function of (y, x, a, b) only')
   a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
   b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
+  keys = _key_input(opts, {} if named is None else named)
   out = Var(y.aval)  # the module output's type, sharding included
-  children = [node, *inline(adapter, [y, x, a, b], [out])]
+  children = [node, *inline(adapter, [y, x, a, b, *reads, *keys], [out])]
   if is_nnx(node):  # NNX: typed nnx.LoRAParam s next to the kernel
     rel, group, kind = (), NNX_GROUP, 'LoRAParam'
   else:
@@ -264,29 +488,87 @@ def _lora_template(node: Mox, plan: _contraction.KernelPlan, rank: int, alpha: f
     # path and the head's name for a nested apply's root (path ()).
     rel, group = tuple(plan.place[len(node.path):]), plan.kernel_keys[0]
     kind = group
+  syms = [a, b] + ([magnitude] if opts.dora else []) + (
+      [weight] if opts.weighted else [])
   var_inputs, var_tree = with_variables(node, added=[
-      VarEntry(group, kind, (*rel, name), True, not rel, sym)
-      for name, sym in zip(plan.names, (a, b), strict=True)])
+      VarEntry(group, _kind(kind, name), (*rel, name), True, not rel, sym)
+      for name, sym in zip(_var_names(plan, opts), syms, strict=True)])
   outputs = [out if i == c.y_index else s for i, s in enumerate(node.outputs)]
-  return Mox(var_inputs + list(node.arg_inputs), outputs,
-             {'name': node.name, 'rank': rank, 'alpha': alpha,
-              'base': node.type_name, 'kernel': plan.kernel_name},
+  in_tree = node.in_tree
+  if keys:  # the key after the call's own arguments
+    args, kwargs = jtu.tree_unflatten(in_tree, node.arg_inputs)
+    in_tree = jtu.tree_structure(((*args, *keys), kwargs))
+  return Mox(var_inputs + list(node.arg_inputs) + keys, outputs,
+             {'name': node.name, 'rank': opts.rank, 'alpha': opts.alpha,
+              'base': node.type_name, 'kernel': plan.kernel_name,
+              **_named(named_adapter)},
              children=children, module_ty=LoRA, entrypoint='__call__',
-             path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
-             var_tree=var_tree, inits=_inits(group, rel, plan))
+             path=node.path, in_tree=in_tree, out_tree=node.out_tree,
+             var_tree=var_tree, inits=_inits(group, rel, plan, opts, init))
 
 
-def _inits(group: str, rel: tuple, plan: _contraction.KernelPlan) -> dict:
-  """The record of the adapters for ``yax.init_params``: ``A`` normal with
-  variance 1 / fan_in, ``B`` zero, as ``lora`` draws them."""
-  a, b = ((group, *rel, name) for name in plan.names)
-  return {a: functools.partial(_init_a, a, plan.fan_in),
-          b: functools.partial(_init_b, b)}
+def _var_names(plan: _contraction.KernelPlan, opts: _Options) -> tuple:
+  """The new variables' names: ``lora_a``, ``lora_b`` (as named in the
+  plan), for DoRA the magnitude ``lora_magnitude``, for a named adapter
+  its weight ``<name>_lora_weight``."""
+  return (*plan.names, *([_magnitude_name(plan.names)] if opts.dora else []),
+          *([_weight_name(plan.names)] if opts.weighted else []))
 
 
-def _init_a(keys, fan_in, key, aval, read):
+def _weight_name(names: tuple) -> str:
+  return names[0][:-len('lora_a')] + 'lora_weight'
+
+
+def _kind(kind: str, name: str) -> str:
+  """A named adapter's weight is a frozen NNX ``Param``, not a
+  ``LoRAParam``."""
+  return 'Param' if kind == 'LoRAParam' and name.endswith('lora_weight') \
+      else kind
+
+
+def _named(adapter_name) -> dict:
+  """The LoRA call's field naming its adapter (none for the unnamed)."""
+  return {} if adapter_name is None else {'adapter': adapter_name}
+
+
+def _magnitude_name(names: tuple) -> str:
+  return names[0][:-len('lora_a')] + 'lora_magnitude'
+
+
+def _inits(group: str, rel: tuple, plan: _contraction.KernelPlan,
+           opts: _Options, init: str = 'default') -> dict:
+  """The record of the adapters for ``yax.init_params``, as ``lora`` draws
+  them: ``A`` normal with variance 1 / fan_in (``init='gaussian'``: standard
+  deviation 1 / rank), ``B`` zero; DoRA's magnitude the kernel's norm per
+  output channel."""
+  names = _var_names(plan, opts)
+  a, b = ((group, *rel, name) for name in names[:2])
+  std = 1 / opts.rank if init == 'gaussian' else 1 / math.sqrt(plan.fan_in)
+  record = {a: functools.partial(_init_a, a, std, init),
+            b: functools.partial(_init_b, b)}
+  if opts.dora:
+    m = (group, *rel, names[2])
+    record[m] = functools.partial(_init_magnitude, m,
+                                  (group, *rel, plan.kernel_name), plan)
+  if opts.weighted:
+    w = (group, *rel, names[-1])
+    record[w] = functools.partial(_init_weight, w)
+  return record
+
+
+def _init_weight(keys, key, aval, read):
+  del key, read
+  return {keys: jnp.ones(aval.shape, aval.dtype)}
+
+
+def _init_a(keys, std, init, key, aval, read):
   del read
-  value = jax.random.normal(key, aval.shape, jnp.float32) / math.sqrt(fan_in)
+  if init == 'svd':
+    raise SubstitutionError(
+        f'{"/".join(keys)} was made by lora(init="svd") from the kernel it '
+        'adapts (the kernel then holds the residual); take the params lora '
+        'returned, init_params does not redo the decomposition')
+  value = jax.random.normal(key, aval.shape, jnp.float32) * std
   return {keys: value.astype(aval.dtype)}
 
 
@@ -295,8 +577,14 @@ def _init_b(keys, key, aval, read):
   return {keys: jnp.zeros(aval.shape, aval.dtype)}
 
 
-def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
-                   alpha: float) -> Mox:
+def _init_magnitude(keys, kernel_keys, plan, key, aval, read):
+  del key
+  return {keys: _column_norm(plan, read(kernel_keys)).astype(aval.dtype)}
+
+
+def _site_template(node: Mox, plan: _contraction.KernelPlan, opts: _Options,
+                   site: int = 0, named: dict | None = None,
+                   init: str = 'default', named_adapter=None) -> Mox:
   """A ``LoRA`` module call in place of the contraction equation
   ``plan.site`` inside ``node``'s body, at ``node``'s path: the
   contraction, then the adapter on its operand added to its output. Its
@@ -309,31 +597,35 @@ def _site_template(node: Mox, plan: _contraction.KernelPlan, rank: int,
   dtype = adapter_dtype(kernel, c)
   # A ragged_dot's group sizes: the adapter groups the rows as it does.
   more = [s for s in args[2:] if not isinstance(s, Literal)]
-  adapter = _adapter_mox(plan, x.aval, z.aval, dtype, alpha / rank,
-                         [(tuple(s.aval.shape), s.aval.dtype) for s in more])
+  adapter = _adapter_mox(plan, x.aval, z.aval, dtype, opts,
+                         [(tuple(s.aval.shape), s.aval.dtype) for s in more],
+                         site=site)
+  weights = [Var(jax.core.ShapedArray((), dtype))] if opts.weighted else []
   a = Var(jax.core.ShapedArray(plan.a_shape, dtype))
   b = Var(jax.core.ShapedArray(plan.b_shape, dtype))
+  keys = _key_input(opts, {} if named is None else named)
   out = Var(z.aval)
   children = [eqn.replace(inputs=args, outputs=[z]),
-              *inline(adapter, [z, x, a, b, *more], [out])]
+              *inline(adapter, [z, x, a, b, *more, *weights, *keys], [out])]
   if is_nnx(node):
     group, kind = NNX_GROUP, 'LoRAParam'
   else:
     group = kind = plan.kernel_keys[0]
   bare = Mox([], [], module_ty=LoRA)
   var_inputs, var_tree = with_variables(bare, [], added=[
-      VarEntry(group, kind, (name,), True, True, sym)
-      for name, sym in zip(plan.names, (a, b), strict=True)])
-  arg_inputs = [s for s in args if not isinstance(s, Literal)]
+      VarEntry(group, _kind(kind, name), (name,), True, True, sym)
+      for name, sym in zip(_var_names(plan, opts), (a, b, *weights),
+                           strict=True)])
+  arg_inputs = [s for s in args if not isinstance(s, Literal)] + keys
   return Mox(var_inputs + arg_inputs, [out],
-             {'name': node.name, 'rank': rank, 'alpha': alpha,
+             {'name': node.name, 'rank': opts.rank, 'alpha': opts.alpha,
               'base': eqn.prim.name, 'kernel': plan.kernel_name,
-              IN_PLACE: True},
+              IN_PLACE: True, **_named(named_adapter)},
              children=children, module_ty=LoRA, entrypoint='__call__',
              path=node.path, in_tree=jtu.tree_structure((tuple(arg_inputs),
                                                          {})),
              out_tree=jtu.tree_structure(out), var_tree=var_tree,
-             inits=_inits(group, (), plan))
+             inits=_inits(group, (), plan, opts, init))
 
 
 def _refuse(problems, chosen: Selection, selection):
@@ -344,7 +636,7 @@ def _refuse(problems, chosen: Selection, selection):
       f'lora cannot adapt {len(problems)} of the {len(chosen.targets)} module '
       f'calls selected by {chosen.description}:\n' + '\n'.join(lines) +
       '\n' + leave_out_hint([(n, wrapped) for n, _, wrapped in problems],
-                             selection, chosen.targets))
+                             selection, chosen.targets, chosen.root))
 
 
 # ---------------------------------------------------------- argument checks
@@ -367,6 +659,64 @@ def _check_alpha(alpha) -> float:
   return float(alpha)
 
 
+def _check_flag(name, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise SubstitutionError(
+        f'lora: {name} must be True or False, found {type(value).__name__} '
+        f'{value!r}')
+  return bool(value)
+
+
+def _check_scale(alpha: float, rank: int, rslora) -> float:
+  """``alpha / rank``, or ``alpha / sqrt(rank)`` for rsLoRA."""
+  if _check_flag('rslora', rslora):
+    return alpha / math.sqrt(rank)
+  return alpha / rank
+
+
+def _check_dropout(dropout) -> float:
+  if (isinstance(dropout, bool) or not isinstance(dropout, numbers.Real)
+      or not 0 <= dropout < 1):
+    raise SubstitutionError(
+        f'lora: dropout must be a rate in [0, 1), found '
+        f'{type(dropout).__name__} {dropout!r}')
+  return float(dropout)
+
+
+INITS = ('default', 'gaussian', 'svd')
+
+
+def _check_init(init) -> str:
+  if init not in INITS:
+    raise SubstitutionError(
+        f'lora: init must be one of {", ".join(map(repr, INITS))}, found '
+        f'{init!r}')
+  return init
+
+
+def _check_train_names(names):
+  if names is None:
+    return None
+  if isinstance(names, str):
+    names = (names,)
+  names = tuple(names)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise SubstitutionError(
+        f'lora: train_names must be param names (strings), e.g. '
+        f"('bias',); found {names!r}")
+  return names
+
+
+def _check_adapter_name(name):
+  if name is None:
+    return None
+  if not isinstance(name, str) or not name.isidentifier():
+    raise SubstitutionError(
+        f'lora: adapter_name must be an identifier (a str such as '
+        f"'task_a'), found {type(name).__name__} {name!r}")
+  return name
+
+
 def _check_key(key):
   if key is None:
     return jax.random.key(0)
@@ -385,23 +735,50 @@ def _check_key(key):
 
 
 def _params_argument(mox: Mox, prefix: tuple, params):
-  """Checks ``params`` against the traced argument at ``prefix``."""
+  """Checks ``params`` against the traced argument at ``prefix``; a
+  mismatch names the first key path that differs."""
   # prefix = (0|1, position or kwarg name, *keys inside that argument)
   root_args = jtu.tree_unflatten(mox.in_tree, mox.inputs)
   arg = root_args[prefix[0]][prefix[1]]
-  if jtu.tree_structure(arg) != jtu.tree_structure(params):
-    raise SubstitutionError(
-        'lora: `params` must have the structure of the traced argument that '
-        f'holds the parameters ({"args" if prefix[0] == 0 else "kwargs"}'
-        f'[{prefix[1]!r}]).\n  expected: {jtu.tree_structure(arg)}\n'
-        f'  given:    {jtu.tree_structure(params)}')
+  if jtu.tree_structure(arg) == jtu.tree_structure(params):
+    return
+  where = ('args' if prefix[0] == 0 else 'kwargs') + f'[{prefix[1]!r}]'
+  traced = [jtu.keystr(k) for k, _ in jtu.tree_flatten_with_path(
+      arg, is_leaf=lambda s: isinstance(s, Symbol))[0]]
+  types = dict(zip(traced, (s.type_str for s in jtu.tree_leaves(
+      arg, is_leaf=lambda s: isinstance(s, Symbol))), strict=True))
+  given = jtu.tree_flatten_with_path(params)[0]
+  found = dict((jtu.keystr(k), v) for k, v in given)
+  head = ('lora: `params` must have the structure of the traced argument '
+          f'that holds the parameters ({where}); ')
+  for path in traced:
+    if path not in found:
+      raise SubstitutionError(
+          head + f'{where}{path} is missing (expected {types[path]})')
+  for path, value in found.items():
+    if path not in types:
+      raise SubstitutionError(
+          head + f'{where}{path} is not in the traced argument (given '
+          f'{getattr(value, "dtype", type(value).__name__)}'
+          f'{list(np.shape(value))})')
+  raise SubstitutionError(
+      head + 'the key paths are the same, the containers differ (e.g. an '
+      f'nn.Partitioned box or a list where the trace had none): traced '
+      f'{type(arg).__name__}, given {type(params).__name__}')
 
 
-_DEFAULT_SELECTION = '//module_call[@type="Dense"]'
+# The linear layers of Linen, NNX and Hugging Face Flax (GPT-2's Conv1D).
+LINEAR_TYPES = ('Dense', 'DenseGeneral', 'Einsum', 'FlaxConv1D', 'Linear',
+                'LinearGeneral')
+_DEFAULT_SELECTION = '//module_call[{}]'.format(
+    ' or '.join(f'@type="{t}"' for t in LINEAR_TYPES))
 
 
+@recorded
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
-         rank: int = 4, alpha: float = 1.0, key=None) -> LoraResult:
+         rank: int = 4, alpha: float = 1.0, key=None, init: str = 'default',
+         rslora: bool = False, dropout: float = 0.0, dora: bool = False,
+         train=None, train_names=None, adapter_name=None) -> LoraResult:
   """Wraps every selected linear module call in a LoRA adapter.
 
   **Arguments:**
@@ -414,13 +791,58 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   - ``selection``: XPath (or node list) of module calls whose own kernel
     reaches a ``dot_general`` or convolution (Dense, DenseGeneral, Einsum,
     Conv, ... on Linen and NNX). It must match at least one module call, only
-    nodes of ``mox``, and no node together with one of its ancestors.
+    nodes of ``mox``, and no node together with one of its ancestors. The
+    default selects the linear layers (``Dense``, ``DenseGeneral``,
+    ``Einsum``, Hugging Face's ``FlaxConv1D``, ``nnx.Linear``,
+    ``nnx.LinearGeneral``) whose kernel is their own parameter, read by
+    them alone: a head tied to an embedding is left out, as peft does.
   - ``rank``: a positive int; ``alpha``: a finite real. The adapter is
     scaled by ``alpha / rank``.
   - ``key``: PRNG key for ``lora_a`` (``jax.random.key(0)`` if omitted).
+  - ``init``: ``'default'`` (``A`` normal with variance 1 / fan_in, ``B``
+    zero), ``'gaussian'`` (``A`` normal with standard deviation 1 / rank,
+    as peft's ``init_lora_weights='gaussian'``, ``B`` zero) or ``'svd'``
+    (PiSSA: ``scale * A @ B`` is the kernel's top-``rank`` singular part,
+    ``A = U_r sqrt(S_r / scale)``, ``B = sqrt(S_r / scale) V_r^T``, and the
+    kernel in ``.params`` holds the residual ``W - scale * A @ B``, so the
+    model is unchanged and ``.merge`` of the untrained adapters gives the
+    kernel back).
+  - ``rslora``: scale by ``alpha / sqrt(rank)`` (rank-stabilized LoRA)
+    instead of ``alpha / rank``.
+  - ``dropout``: LoRA dropout rate in ``[0, 1)`` on the adapter's input
+    (``(dropout(x) A) B``; the kernel's own path sees ``x``). ``.mox``
+    stays deterministic (evaluation, inference, ``.merge``); ``.train_mox``
+    applies the dropout and takes the keyword argument
+    ``lora_dropout_key``, a raw ``jax.random.PRNGKey`` (pass a new one per
+    step). Adapter ``i`` (in ``.config['adapters']`` order) keeps ``x``
+    where ``jax.random.bernoulli(jax.random.fold_in(key, i), 1 - dropout,
+    x.shape)`` and scales it by ``1 / (1 - dropout)``. Inside a lifted
+    body (``nn.scan``) every iteration draws the same mask.
+  - ``dora``: DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353):
+    the output is ``g * (x W')`` with ``W' = W + scale * A @ B`` and ``g =
+    m / ||W'||`` (norm over the contracted axis, per output channel); the
+    trainable magnitude ``m`` (``lora_magnitude``, next to ``lora_a``)
+    starts at ``||W||``. 2-D ``dot_general`` kernels adapted around their
+    call (Dense, ``nnx.Linear``, GPT-2's ``Conv1D``) only; ``.merge`` folds
+    ``g`` into the kernel.
+  - ``train``: XPath (or node list) of more module calls whose own params
+    train too (peft's ``modules_to_save``: a classifier head, LayerNorms);
+    ``train_names``: only params with these names (``('bias',)``: the
+    biases of the selected calls). Both set ``.mask`` True there; ``.merge``
+    keeps their trained values.
+  - ``adapter_name``: a named adapter (an identifier): its variables are
+    ``<name>_lora_a``, ``<name>_lora_b`` and a frozen scalar
+    ``<name>_lora_weight`` (1) that scales it. It may go on a tree that
+    already has adapters of other names (``yax.lora(res_a.mox,
+    res_a.params, adapter_name='b')``): they add up, and
+    ``.switch(p, name)`` / ``.weighted(p, {name: w})`` set the weights
+    (switch adapters, combine them). ``.merge`` folds this call's adapters
+    (weighted), for the tree it started from. Without a name the adapter
+    is ``lora_a``/``lora_b``, unweighted, as before.
 
   **Returns:** a :class:`LoraResult` with ``.mox``, ``.params``, ``.mask``,
-  ``.merge``, ``.paths``.
+  ``.merge``, ``.unmerge``, ``.paths``, ``.config``, ``.train_mox`` and
+  ``.trainable_count()``.
 
   Raises ``yax.SubstitutionError`` (changing nothing) for a bad argument or
   selection, and for modules it cannot adapt (already adapted, a computed
@@ -435,6 +857,10 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   if not isinstance(mox, Mox):
     raise SubstitutionError(f'lora expects a Mox, found {type(mox).__name__}')
   rank, alpha, key = _check_rank(rank), _check_alpha(alpha), _check_key(key)
+  opts = _Options(rank, alpha, _check_scale(alpha, rank, rslora),
+                  _check_dropout(dropout), _check_flag('dora', dora))
+  init = _check_init(init)
+  train_names = _check_train_names(train_names)
   collections = collections_of(mox)
   group = NNX_GROUP if NNX_GROUP in collections else 'params'
   if group == NNX_GROUP:
@@ -444,10 +870,22 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'an argument: graphdef, state = nnx.split(model); mox = '
           'yax.make_mox(lambda s, x: nnx.merge(graphdef, s)(x))(state, x); '
           'res = yax.lora(mox, state, ...)')
-    if selection == _DEFAULT_SELECTION:
-      selection = '//module_call[@type="Linear"]'
+  adapter_name = _check_adapter_name(adapter_name)
+  if adapter_name is not None and opts.dora:
+    raise SubstitutionError(
+        'lora: a named adapter (adapter_name=) is weighted by a scalar '
+        'param, which DoRA\'s magnitude does not take; use one unnamed DoRA '
+        'adapter')
+  opts = dataclasses.replace(opts, weighted=adapter_name is not None)
+  ours = (_ADAPTER_NAMES if adapter_name is None
+          else tuple(f'{adapter_name}_{n}' for n in _ADAPTER_NAMES))
+  default = isinstance(selection, str) and selection == _DEFAULT_SELECTION
   chosen = select(selection, mox)
   targets = _contraction.plan_kernels(chosen, 'lora', rank, every=True)
+  if default:  # a head tied to an embedding is left out, as peft does
+    computed = {id(t.node) for t in targets if t.plan is not None
+                and not t.own}
+    targets = [t for t in targets if id(t.node) not in computed]
   prefix = collections.get(group)
   if prefix is not None and len(prefix) < 2:
     raise SubstitutionError(
@@ -473,10 +911,12 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     if id(node) in problems:
       continue
     ancestors = chosen.ancestors[id(node)]
+    # Named adapters stack: another name's LoRA call may wrap the node.
     wrapper = next((a for a in ancestors if isinstance(a, Mox)
-                    and a.module_ty is LoRA), None)
+                    and a.module_ty is LoRA
+                    and a.params.get('adapter') == adapter_name), None)
     held = sorted(n for n in _contraction.own_param_names(node)
-                  if _is_adapter_name(n))
+                  if isinstance(n, str) and n.endswith(ours))
     if node.module_ty is LoRA:
       problems[id(node)] = (node, 'it is a LoRA adapter already', False)
       continue
@@ -496,8 +936,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     kernel = node.var_inputs[plan.contraction.kernel_index]
     method = node.entrypoint if node.entrypoint not in (None, '__call__') \
         else None
-    names = (tuple(f'{method}_{n}' for n in _ADAPTER_NAMES) if method
-             else _ADAPTER_NAMES)
+    names = (tuple(f'{method}_{n}' for n in ours) if method else ours)
     keypath = target.keypath
     own_place = (*prefix, *node.path, *plan.kernel_keys[1:])
     if target.own:
@@ -556,6 +995,16 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
       plans[pkey] = dataclasses.replace(plan, tied=(
           'its kernel is also read by ' + ', '.join(sorted(
               {f'{describe(h)} (method {h.entrypoint})' for h in others}))))
+  if default:  # kernels other calls read too (Embed.attend) stay as they are
+    plans = {k: p for k, p in plans.items() if p.tied is None}
+    kept = {k[0] for k in plans}
+    targets = [t for t in targets if id(t.node) in kept]
+    if not plans:
+      raise SubstitutionError(
+          "lora's default selection (the linear layers: "
+          f"{', '.join(LINEAR_TYPES)}) found no layer whose kernel is its "
+          'own parameter and read by it alone; pass an XPath of the module '
+          "calls to adapt, e.g. '//module_call[@type=\"MyDense\"]'")
   # Where one scope holds several adapted kernels (nn.share_scope, a MoE's
   # expert kernels), each pair is named after its kernel: 'wi_0_lora_a'.
   kernels_at: dict = {}
@@ -566,6 +1015,9 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     if len(kernels_at[(plan.place, plan.names)]) > 1:
       plans[pkey] = dataclasses.replace(plan, names=tuple(
           f'{plan.kernel_name}_{n}' for n in plan.names))
+  if opts.dora or init == 'svd':
+    _check_variant(plans, by_node, params, prefix, opts, init, chosen,
+                   selection)
   # What the rewrite replaces: the call (an adapter around it), or the
   # contraction equations of the kernels adapted in place.
   replaced = {}
@@ -573,30 +1025,39 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     node = by_node[node_id]
     item = node if plan.site is None else plan.site
     replaced[id(item)] = (item, node, plan)
+  # Each adapter pair's number: its dropout mask folds it into the key.
+  order = sorted({(tuple(p.place), p.names) for p in plans.values()})
+  number = {place: i for i, place in enumerate(order)}
 
-  def make(path, item):
-    _, node, plan = replaced[id(item)]
-    if plan.site is None:
-      return _lora_template(node, plan, rank, alpha)
-    return _site_template(node, plan, rank, alpha)
+  def rewrite(opts):
+    named = {}
 
-  sites = select([item for item, _, _ in replaced.values()], mox)
-  done = substitute(sites, make, mox)
+    def make(path, item):
+      _, node, plan = replaced[id(item)]
+      site = number[(tuple(plan.place), plan.names)]
+      template = _lora_template if plan.site is None else _site_template
+      return template(node, plan, opts, site, named, init, adapter_name)
+
+    sites = select([item for item, _, _ in replaced.values()], mox)
+    return substitute(sites, make, mox, inputs=named)
+
+  done = rewrite(dataclasses.replace(opts, dropout=0.0))
   if done.collections.get(group) != prefix:
     raise SubstitutionError(
         f"internal: the params collection moved from {_arg_str(prefix)} to "
         f"{_arg_str(done.collections.get(group))} during the rewrite")
 
   inside = tuple(prefix[2:])  # keys of the collection inside `params`
-  adapted = {}  # (module path, adapter name) -> plan
+  adapted = {}  # (module path, variable name) -> plan
   for plan in plans.values():
-    for name in plan.names:
+    for name in _var_names(plan, opts):
       adapted[(tuple(plan.place), name)] = plan
   # Initial values on the host, from one generator seeded by ``key``: no
   # XLA computation to compile per adapter shape.
   rng = np.random.default_rng(
       np.asarray(jax.random.key_data(key)).ravel().tolist())
   values, flags = [], []
+  svd_done = {}  # (module path, names) -> (A, B, residual kernel)
   for loc, var in sorted(done.added.items()):
     plan = adapted.get((tuple(loc[1:-1]), loc[-1]))
     if loc[0] != group or plan is None:
@@ -605,19 +1066,49 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
           'the adapter of a selected module')
     shape, dtype = tuple(var.aval.shape), var.aval.dtype
     # None for a call-site adapter of a head whose kernel is not here.
-    kernel = _get_or_none(params, (*inside, *loc[1:-1], plan.kernel_name))
-    is_a = loc[-1] == plan.names[0]
-    value = _adapter_value(unboxed(kernel), plan, is_a, shape, dtype, rng)
+    kernel_at = (*inside, *loc[1:-1], plan.kernel_name)
+    kernel = _get_or_none(params, kernel_at)
+    role = dict(zip(_var_names(plan, opts), 'abmw' if opts.dora else 'abw'))[
+        loc[-1]]
+    if role == 'w':  # a named adapter's weight: 1, frozen
+      value = jnp.ones((), dtype)
+      box = (functools.partial(_nnx.variable_holding, 'Param')
+             if group == NNX_GROUP else (lambda v: v))
+      values.append(((*inside, *loc[1:]), box(value)))
+      flags.append(((*inside, *loc[1:]), box(False)))
+      continue
+    if role == 'm':
+      value = _column_norm(plan, unboxed(kernel)).astype(dtype)
+    elif init == 'svd':
+      pair = (tuple(loc[1:-1]), plan.names)
+      if pair not in svd_done:
+        svd_done[pair] = _svd_init(plan, unboxed(kernel), opts.scale, dtype)
+        values.append((kernel_at, boxed_like(kernel, svd_done[pair][2])))
+      value = svd_done[pair][0 if role == 'a' else 1]
+    else:
+      value = _adapter_value(unboxed(kernel), plan, role == 'a', shape,
+                             dtype, rng, opts.rank if init == 'gaussian'
+                             else None)
     # A Linen box (a bridged NNX model's params, ToLinen): the adapter too.
-    box = _adapter_box(kernel, plan, is_a, group == NNX_GROUP and not
+    box = _adapter_box(kernel, plan, role != 'b', group == NNX_GROUP and not
                        isinstance(kernel, nn.meta.AxisMetadata))
+    if role == 'm':  # axes as B's last ones
+      box = _adapter_box(kernel, plan, False, group == NNX_GROUP and not
+                         isinstance(kernel, nn.meta.AxisMetadata),
+                         magnitude=True)
     value, flag = box(value), box(True)
     values.append(((*inside, *loc[1:]), value))
     flags.append(((*inside, *loc[1:]), flag))
   new_params = set_many(params, values)
+  if train is not None:
+    flags = _train_flags(mox, train, train_names, params, prefix, flags)
   mask = set_many(jtu.tree_map(lambda _: False, params), flags)
   new_mox = with_argument_structure(done.mox, prefix[:2], new_params)
-  scale = alpha / rank
+  train_mox = new_mox
+  if opts.dropout:
+    train_mox = with_argument_structure(rewrite(opts).mox, prefix[:2],
+                                        new_params)
+  scale = opts.scale
   merges = sorted({(path, plan.names): plan
                    for (path, _), plan in adapted.items()}.items())
   paths = sorted({path for (path, _), _ in merges})
@@ -635,19 +1126,93 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         'too, so a tied head could no longer be tied: keep the adapters '
         '(run res.mox with the trained params), or adapt the other '
         'modules only to get mergeable adapters.\n' + leave_out_hint(
-            heads, selection, chosen.targets))
-  return LoraResult(new_mox, new_params, mask, functools.partial(
-      merge, merges=tuple(merges), inside=inside, scale=scale,
-      refusal=refusal), paths)
+            heads, selection, chosen.targets, mox))
+  config = {
+      'selection': (selection if isinstance(selection, str)
+                    else chosen.description),
+      'rank': rank, 'alpha': alpha, 'scale': scale,
+      'variant': 'dora' if opts.dora else 'lora', 'init': init,
+      'rslora': bool(rslora), 'dropout': opts.dropout,
+      'adapter_name': adapter_name,
+      'train': train if isinstance(train, str) or train is None
+               else select(train, mox).description,
+      'train_names': None if train_names is None else list(train_names),
+      'collection': list(inside),
+      'paths': ['/'.join(p) for p in paths],
+      'adapters': [{
+          'path': list(path), 'names': list(_var_names(plan, opts)),
+          'kernel': plan.kernel_name, 'a_shape': list(plan.a_shape),
+          'b_shape': list(plan.b_shape),
+          'magnitude': _magnitude_name(names) if opts.dora else None,
+          'weight': _weight_name(names) if opts.weighted else None,
+          'mergeable': plan.tied is None}
+                   for (path, names), plan in merges],
+      'yax_version': __version__,
+  }
+  folds = dict(merges=tuple(merges), inside=inside, scale=scale,
+               dora=opts.dora, weighted=opts.weighted)
+  return LoraResult(
+      new_mox, new_params, mask,
+      functools.partial(merge, **folds, refusal=refusal), paths, config,
+      train_mox, functools.partial(unmerge, **folds, refusal=refusal))
+
+
+def _fold(kernel, a, b, m, plan, scale):
+  """The merged kernel: ``W + scale * A @ B``, DoRA's ``g * (W + scale *
+  A @ B)`` with ``g = m / ||W + scale * A @ B||`` when ``m`` is given."""
+  full = kernel + scale * _kernel_delta(plan, a, b)
+  if m is None:
+    return full
+  return _from_matrix(plan, _as_matrix(plan, full) * (
+      m.reshape(-1) / _norm(_as_matrix(plan, full))))
+
+
+def _norm(matrix):
+  return jnp.sqrt(jnp.sum(matrix * matrix, axis=0))
+
+
+def load_lora(mox: Mox, params, path) -> LoraResult:
+  """Puts saved LoRA adapters on a freshly traced base model.
+
+  **Arguments:**
+  - ``mox``: the base model's tree, traced in this or another process (for
+    adapters made over a quantized base, QLoRA: the tree ``yax.quantize``
+    returned, quantized with the same arguments).
+  - ``params``: its params (as for ``yax.lora``).
+  - ``path``: what ``LoraResult.save`` wrote: a safetensors file or an
+    orbax directory.
+
+  **Returns:** the :class:`LoraResult` of ``lora`` re-run with the
+  recorded arguments, its ``.params`` holding the saved adapters, each on
+  the devices and sharding the fresh adapter has (an orbax checkpoint is
+  read shard by shard).
+
+  Raises ``yax.AdapterFileError`` when the file does not fit: a file made
+  for another model (the params path where they differ), or a missing,
+  extra or misshapen adapter (its params path).
+
+  Example::
+
+      mox = yax.make_mox(model.apply)(variables, x)   # a fresh process
+      res = yax.load_lora(mox, variables, 'adapters.safetensors')
+      y = yax.eval_mox(res.mox, res.params, x)
+  """
+  res, loaded = _files.load(mox, params, path, lora=lora)
+  return dataclasses.replace(res, params=loaded)
+
 
 
 def merge(trained, *, merges: tuple, inside: tuple, scale: float,
-          refusal: str | None = None):
+          refusal: str | None = None, dora: bool = False,
+          weighted: bool = False):
   """Folds ``kernel + scale * A @ B`` (in the kernel's layout) for every
   adapter of ``merges`` (``((module path, adapter names), plan)``, under
   ``inside`` in ``trained``) and returns params for the original tree
   (adapters removed), in ``trained``'s container types. ``refusal``: why
-  these adapters cannot be merged (call-site adapters of tied heads)."""
+  these adapters cannot be merged (call-site adapters of tied heads).
+  ``dora``: the kernel is scaled per output channel by DoRA's magnitude
+  over the norm (see :func:`lora`). ``weighted``: a named adapter, scaled
+  by its weight too."""
   if refusal is not None:
     raise SubstitutionError(refusal)
   out = trained
@@ -658,30 +1223,235 @@ def merge(trained, *, merges: tuple, inside: tuple, scale: float,
     kernel, a, b = (unboxed(x) for x in (
         boxed, get_in(out, (*keys, names[0])), get_in(out, (*keys, names[1]))))
     where = f"params{''.join(f'[{k!r}]' for k in keys)}"
-    if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
-        tuple(b.shape[b.ndim - len(plan.b_shape):]) != plan.b_shape):
-      raise SubstitutionError(
-          f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
-          f'and {names[1]} {tuple(b.shape)}; lora made them '
-          f'{plan.a_shape} and {plan.b_shape}')
+    _check_pair(where, names, a, b, plan)
     drop = names
+    m = None
+    if dora:
+      m = unboxed(get_in(out, (*keys, _magnitude_name(names))))
+      drop = (*names, _magnitude_name(names))
+    weight = 1.0
+    if weighted:
+      weight = unboxed(get_in(out, (*keys, _weight_name(names))))
+      drop = (*drop, _weight_name(names))
     if plan.quant is not None:  # QLoRA: back to the float kernel
       scale_name = f'{plan.kernel_name}_scale'
       kernel = dequantize_kernel(
           kernel, unboxed(get_in(out, (*keys, scale_name))), plan.quant,
           a.dtype, plan.contracted, kernel.ndim - len(plan.kernel_shape),
           plan.source_perm)
-      drop = (*names, scale_name)
+      drop = (*drop, scale_name)
     delta = _kernel_delta(plan, a, b)
     if tuple(delta.shape) != tuple(kernel.shape):
       raise SubstitutionError(
           f'merge: at {where} {names[0]} {tuple(a.shape)} times {names[1]} '
           f'{tuple(b.shape)} is {tuple(delta.shape)}, which does not fit '
           f'the kernel {plan.kernel_name} {tuple(kernel.shape)}')
-    merged = boxed_like(boxed, (kernel + scale * delta).astype(kernel.dtype))
+    folded = _fold(kernel, a, b, m, plan, scale * weight)
+    merged = boxed_like(boxed, folded.astype(kernel.dtype))
     out = set_in(out, keys, set_in(without(module, drop),
                                    (plan.kernel_name,), merged))
   return out
+
+
+def _weight_leaves(params):
+  """``[(key path, adapter name)]`` of the named adapters' weights."""
+  out = []
+  for path, _ in jtu.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))
+            for k in path]
+    name = next((k for k in reversed(keys) if isinstance(k, str)), '')
+    if name.endswith('_lora_weight'):
+      out.append((tuple(keys), name[:-len('_lora_weight')]))
+  return out
+
+
+def adapter_weight_names(params) -> set:
+  """The names of the named adapters whose weights ``params`` holds."""
+  return {n for _, n in _weight_leaves(params)}
+
+
+def set_adapter_weights(params, weights: dict):
+  """``params`` with each named adapter's weight set to ``weights[name]``
+  (see :meth:`LoraResult.weighted`)."""
+  found = adapter_weight_names(params)
+  unknown = sorted(set(weights) - found)
+  if unknown:
+    raise SubstitutionError(
+        f'weighted: no adapter named {unknown[0]!r} in params; its named '
+        f'adapters are {sorted(found)}')
+  flat, treedef = jtu.tree_flatten_with_path(params)
+  by_path = {tuple(keys): n for keys, n in _weight_leaves(params)}
+  leaves = []
+  for path, leaf in flat:
+    keys = tuple(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))
+                 for k in path)
+    name = by_path.get(keys)
+    if name in weights:
+      leaf = jnp.asarray(weights[name], jnp.asarray(leaf).dtype).reshape(
+          np.shape(leaf))
+    leaves.append(leaf)
+  return jtu.tree_unflatten(treedef, leaves)
+
+
+def _check_pair(where, names, a, b, plan):
+  if (tuple(a.shape[a.ndim - len(plan.a_shape):]) != plan.a_shape or
+      tuple(b.shape[b.ndim - len(plan.b_shape):]) != plan.b_shape):
+    raise SubstitutionError(
+        f'merge: at {where} the adapters are {names[0]} {tuple(a.shape)} '
+        f'and {names[1]} {tuple(b.shape)}; lora made them '
+        f'{plan.a_shape} and {plan.b_shape}')
+
+
+def unmerge(merged, trained, *, merges: tuple, inside: tuple, scale: float,
+            refusal: str | None = None, dora: bool = False,
+            weighted: bool = False):
+  """Undoes :func:`merge`: params for the LoRA tree, each kernel being
+  ``merged``'s with ``trained``'s adapters taken out (``W = W_merged -
+  scale * A @ B``; DoRA: ``W = W_merged * ||W_t + scale * A @ B|| / m -
+  scale * A @ B``, the norm from ``trained``'s kernel ``W_t``), the
+  adapters and every other leaf ``trained``'s. A quantized kernel
+  (QLoRA) is not unmerged (``merge`` returned it as floats)."""
+  if refusal is not None:
+    raise SubstitutionError('un' + refusal)
+  out = trained
+  for (module_path, names), plan in merges:
+    keys = (*inside, *module_path)
+    where = f"params{''.join(f'[{k!r}]' for k in keys)}"
+    if plan.quant is not None:
+      raise SubstitutionError(
+          f'unmerge: the kernel at {where} is stored quantized ({plan.quant})'
+          ' in the LoRA tree; merge made it float, which unmerge cannot '
+          'quantize again the same way')
+    boxed = get_in(out, (*keys, plan.kernel_name))
+    folded = unboxed(get_in(merged, (*keys, plan.kernel_name)))
+    a, b = (unboxed(get_in(out, (*keys, n))) for n in names)
+    _check_pair(where, names, a, b, plan)
+    weight = (unboxed(get_in(out, (*keys, _weight_name(names))))
+              if weighted else 1.0)
+    delta = weight * scale * _kernel_delta(plan, a, b)
+    if tuple(np.shape(folded)) != tuple(delta.shape):
+      raise SubstitutionError(
+          f'unmerge: the merged kernel at {where} is '
+          f'{tuple(np.shape(folded))}; the adapters give {tuple(delta.shape)}')
+    if dora:
+      m = unboxed(get_in(out, (*keys, _magnitude_name(names))))
+      norm = _norm(_as_matrix(plan, unboxed(boxed) + delta))
+      folded = _from_matrix(plan, _as_matrix(plan, folded) * (
+          norm / m.reshape(-1)))
+    kernel = (folded - delta).astype(unboxed(boxed).dtype)
+    out = set_in(out, (*keys, plan.kernel_name), boxed_like(boxed, kernel))
+  return out
+
+
+def _check_variant(plans: dict, by_node: dict, params, prefix: tuple,
+                   opts: _Options, init: str, chosen: Selection, selection):
+  """Refuses, in one round, the kernels DoRA or the SVD init cannot take."""
+  inside = tuple(prefix[2:])
+  problems = {}
+  for (node_id, _), plan in plans.items():
+    node = by_node[node_id]
+    kernel = _get_or_none(params, (*inside, *plan.place, plan.kernel_name))
+    kernel = None if kernel is None else unboxed(kernel)
+    what = 'DoRA' if opts.dora else "init='svd'"
+    why = None
+    if plan.tied is not None or kernel is None:
+      why = f'{what} needs the kernel it adapts ({plan.tied or "not here"})'
+    elif plan.quant is not None:
+      why = f'{what} needs a float kernel; it is stored {plan.quant}'
+    elif plan.stack or np.ndim(kernel) != len(plan.kernel_shape):
+      why = (f'{what} takes one kernel per call; its kernel '
+             f'{tuple(np.shape(kernel))} is a stack of {plan.kernel_shape}')
+    elif plan.contraction.kind == _contraction.RAGGED:
+      why = f'{what} does not take ragged_dot kernels'
+    elif opts.dora and (plan.contraction.kind != 'dot_general' or
+                        len(plan.kernel_shape) != 2 or plan.site is not None):
+      why = ('DoRA takes 2-D dot_general kernels adapted around their call '
+             f'(Dense, nnx.Linear, Conv1D); its kernel {plan.kernel_shape} '
+             f'is contracted by {plan.contraction.kind}'
+             + (' inside its body' if plan.site is not None else ''))
+    elif init == 'svd' and isinstance(kernel, jax.ShapeDtypeStruct):
+      why = "init='svd' needs the kernel's values; params are abstract"
+    elif init == 'svd' and opts.rank > min(math.prod(plan.a_shape[:-1]),
+                                           math.prod(plan.b_shape[1:])):
+      why = (f"init='svd' needs rank <= the kernel's smaller side "
+             f'({min(math.prod(plan.a_shape[:-1]), math.prod(plan.b_shape[1:]))})'
+             f', found rank {opts.rank}')
+    elif init == 'svd' and opts.scale == 0:
+      why = "init='svd' needs a nonzero scale (alpha)"
+    if why is not None and id(node) not in problems:
+      problems[id(node)] = (node, why, False)
+  if problems:
+    _refuse(list(problems.values()), chosen, selection)
+
+
+def _from_matrix(plan: _contraction.KernelPlan, matrix):
+  """The kernel whose ``[contracted, other]`` matrix (A's axes by B's, in
+  their order) is ``matrix``."""
+  n = math.prod(plan.a_shape[:-1])
+  eye = jnp.eye(n, dtype=matrix.dtype).reshape(*plan.a_shape[:-1], n)
+  return _kernel_delta(plan, eye, matrix.reshape(n, *plan.b_shape[1:]))
+
+
+def _as_matrix(plan: _contraction.KernelPlan, kernel):
+  """The kernel as ``[contracted, other]`` (the inverse of
+  :func:`_from_matrix`, an axis permutation and reshape)."""
+  kernel = jnp.asarray(kernel)
+  zero = jnp.zeros((math.prod(plan.a_shape[:-1]), math.prod(plan.b_shape[1:])),
+                   kernel.dtype)
+  (matrix,) = jax.linear_transpose(lambda m: _from_matrix(plan, m),
+                                   zero)(kernel)
+  return matrix
+
+
+def _column_norm(plan: _contraction.KernelPlan, kernel):
+  """DoRA's initial magnitude: the kernel's norm over its contracted axes,
+  shaped as B's axes without the rank."""
+  matrix = _as_matrix(plan, jnp.asarray(kernel, jnp.float32))
+  return _norm(matrix).reshape(plan.b_shape[1:])
+
+
+def _svd_init(plan: _contraction.KernelPlan, kernel, scale: float, dtype):
+  """PiSSA: ``A``, ``B`` with ``scale * A @ B`` the kernel's top-rank
+  singular part, and the residual kernel ``W - scale * A @ B``."""
+  rank = plan.a_shape[-1]
+  w = jnp.asarray(kernel, jnp.float32)
+  u, s, vt = jnp.linalg.svd(_as_matrix(plan, w), full_matrices=False)
+  root = jnp.sqrt(s[:rank] / abs(scale))
+  a = (u[:, :rank] * root).reshape(plan.a_shape).astype(dtype)
+  b = (np.sign(scale) * root[:, None] * vt[:rank]).reshape(
+      plan.b_shape).astype(dtype)
+  residual = w - scale * _kernel_delta(plan, a.astype(jnp.float32),
+                                       b.astype(jnp.float32))
+  return a, b, residual.astype(jnp.asarray(kernel).dtype)
+
+
+def _train_flags(mox: Mox, train, names, params, prefix: tuple,
+                 flags: list) -> list:
+  """``flags`` plus True on every param (named in ``names``, if given) of
+  the module calls ``train`` selects."""
+  inside = tuple(prefix[2:])
+  chosen = select(train, mox)
+  more = []
+  for node in chosen.targets:
+    if not isinstance(node, Mox) or node.is_ephemeral:
+      raise SubstitutionError(
+          f'lora: train= selects {describe(node)}, which is not a module '
+          'call; select the module calls whose params train')
+    where = (*inside, *node.path)
+    own = _get_or_none(params, where)
+    found = []
+    if isinstance(own, Mapping):
+      found = [(k, v) for k, v in own.items()
+               if not isinstance(v, Mapping)
+               and (names is None or k in names)]
+    if not found:
+      raise SubstitutionError(
+          f'lora: train= selects {describe(node)}, but params'
+          f"{''.join(f'[{k!r}]' for k in where)} holds no params"
+          + ('' if names is None else f' named {list(names)}'))
+    for k, v in found:
+      more.append(((*where, k), jtu.tree_map(lambda _: True, v)))
+  return flags + more
 
 
 def _get_or_none(tree, keys):
@@ -706,7 +1476,8 @@ def _adapter_axis_names(names, plan: _contraction.KernelPlan, is_a: bool):
       None if v is None else names[n_stack + v] for v in axes)
 
 
-def _adapter_value(kernel, plan: _contraction.KernelPlan, is_a: bool, shape, dtype, rng):
+def _adapter_value(kernel, plan: _contraction.KernelPlan, is_a: bool, shape,
+                   dtype, rng, gaussian_rank: int | None = None):
   """The initial adapter (``A`` random, ``B`` zero): an abstract
   ``ShapeDtypeStruct`` for an abstract kernel (nothing materialised), else
   an array; sharded over the kernel's mesh like the kernel's axes."""
@@ -722,23 +1493,28 @@ def _adapter_value(kernel, plan: _contraction.KernelPlan, is_a: bool, shape, dty
     sharding = None
   if isinstance(kernel, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  if is_a:
-    host = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(
-        plan.fan_in)
+  if is_a:  # N(0, 1 / fan_in); init='gaussian': standard deviation 1 / rank
+    std = (1 / gaussian_rank if gaussian_rank is not None
+           else 1 / np.sqrt(plan.fan_in))
+    host = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
   else:
     host = np.zeros(shape, np.float32)
   host = host.astype(dtype)
   return jax.device_put(host, sharding) if sharding else jax.device_put(host)
 
 
-def _adapter_box(kernel, plan: _contraction.KernelPlan, is_a: bool, is_nnx: bool):
+def _adapter_box(kernel, plan: _contraction.KernelPlan, is_a: bool,
+                 is_nnx: bool, magnitude: bool = False):
   """How an adapter is held, from how its kernel is: NNX adapters are
   ``nnx.LoRAParam`` s; a kernel with axis names (Linen ``nn.Partitioned``,
   ``nn.LogicallyPartitioned``; NNX sharding metadata) gives its adapters
   the names of their axes (``A``: the contracted axes' names then None,
   ``B``: None then the other axes' names; a stacked kernel's leading names
   lead both)."""
-  adapter_names = lambda names: _adapter_axis_names(names, plan, is_a)
+  def adapter_names(names):
+    found = _adapter_axis_names(names, plan, is_a)
+    # DoRA's magnitude: B's axes without the rank.
+    return found[1:] if magnitude and found is not None else found
   if is_nnx:
     found = _nnx.sharding_names(kernel)
     names = adapter_names(found[1]) if found else None

@@ -1,21 +1,40 @@
 """``yax.randomized_linear``: a linear layer that keeps a sketch of its input.
 
 A linear layer ``Z = X K`` keeps its input ``X`` (``n`` rows, one per
-position that is not contracted) for the kernel gradient ``X^T G``. Keeping
-a random sketch ``S^T X`` of ``k = ceil(ratio * n)`` rows instead (``S: [n,
-k]`` with iid ``N(0, 1/k)`` entries, or ``+-1/sqrt(k)`` for Rademacher) and
-returning ``(S^T X)^T (S^T G)`` gives an unbiased kernel gradient, since
-``E[S S^T] = I`` (Bershatsky et al. 2022, "Memory-efficient backpropagation
-through large linear layers", the randomized linear layer of fewbit). The
-input gradient ``G K^T`` does not need ``X`` and stays exact, and so does
-the forward pass.
+position that is not contracted, ``d`` columns) for the kernel gradient
+``X^T G``. Keeping a random sketch ``S^T X`` of ``k = ceil(ratio * n)``
+rows instead and returning ``(S^T X)^T (S^T G)`` gives an unbiased kernel
+gradient whenever ``E[S S^T] = I`` (Bershatsky et al. 2022,
+"Memory-efficient backpropagation through large linear layers", the
+randomized linear layer of fewbit). The input gradient ``G K^T`` does not
+need ``X`` and stays exact, and so does the forward pass.
+
+Kinds of ``S`` (``[n, k]``, never built by the rewrite):
+
+* ``'count'`` (the default): a count sketch (Clarkson and Woodruff 2013).
+  Row ``i`` of ``X`` is added, times a random sign ``s_i``, to bucket
+  ``h_i`` of ``k``, drawn uniformly: ``S[i, h_i] = s_i``, zero elsewhere.
+  ``S^T X`` is one scatter-add of the signed rows: ``n * d`` additions,
+  linear in the rows, and only ``n`` signs and bucket indices are drawn.
+  ``E[S S^T] = I`` (the signs are independent), so the gradient is
+  unbiased; the variance of each element ``(a, b)`` of the kernel
+  gradient is ``(|x_a|^2 |g_b|^2 + (x_a . g_b)^2
+  - 2 sum_i x_ia^2 g_ib^2) / k`` (``x_a``, ``g_b``: columns of ``X`` and
+  ``G``), never above the Gaussian sketch's.
+* ``'gaussian'``: iid ``N(0, 1/k)`` entries; variance ``(|x_a|^2 |g_b|^2 +
+  (x_a . g_b)^2) / k``. Applying it costs ``k * n * d = ratio * n**2 * d``
+  multiply-adds, quadratic in the rows (at BERT-base's batch 128 x 128,
+  about four times the layer's own matmul); it is drawn and applied in
+  blocks of rows, so ``S`` is never whole in memory.
+* ``'rademacher'``: ``+-1/sqrt(k)`` entries, the same cost as Gaussian.
 
 ``S`` is drawn from a PRNG key, so the backward pass draws it again instead
 of keeping it: the rewritten tree takes one new root keyword argument,
-``sketch_key``, and each site folds its own index into it. A training loop
-passes a new key every step. Inside ``nn.scan`` bodies the key is a loop
-constant: every layer of the scan draws the same sketch (each gradient is
-still unbiased).
+``sketch_key`` (any JAX key: a typed ``jax.random.key`` or a raw
+``jax.random.PRNGKey``), and each site folds its own index into it. A
+training loop passes a new key every step. Inside ``nn.scan`` bodies the
+key is a loop constant: every layer of the scan draws the same sketch
+(each gradient is still unbiased).
 
 The rewrite replaces the contraction of each selected call (the
 ``dot_general`` the kernel plan of ``yax.lora`` finds) through the
@@ -34,11 +53,12 @@ import numpy as np
 from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Equation, Mox, iter_nodes
 from yax._src.rewrite.contraction import kernel_plan
-from yax._src.rewrite.engine import describe, non_literals, select, substitute
+from yax._src.rewrite.engine import (describe, leave_out_hint, non_literals,
+                                     select, substitute)
 from yax._src.trace.make import make_mox
 
 KEY_NAME = 'sketch_key'
-KINDS = ('gaussian', 'rademacher')
+KINDS = ('count', 'gaussian', 'rademacher')
 
 
 # ------------------------------------------------------- the sketched dot
@@ -70,18 +90,36 @@ def _draw(key, rows: int, k: int, kind: str):
 
 def sketch_matrix(key, n: int, k: int, kind: str, dtype=jnp.float32):
   """The whole ``S: [n, k]`` that :func:`sketch` applies block by block:
-  row block ``b`` is drawn from ``fold_in(key, b)``. (For inspection and
-  tests: the rewrite never builds it.)"""
+  row block ``b`` is drawn from ``fold_in(key, b)``; for ``'count'``, the
+  signs at the drawn buckets. (For inspection and tests: the rewrite never
+  builds it.)"""
+  if kind == 'count':
+    return count_sketch(key, jnp.eye(n, dtype=jnp.float32), k).T.astype(dtype)
   rows = _block_rows(n, k)
   blocks = [_draw(jax.random.fold_in(key, b), min(rows, n - start), k, kind)
             for b, start in enumerate(range(0, n, rows))]
   return jnp.concatenate(blocks).astype(dtype)
 
 
+def count_sketch(key, flat, k: int):
+  """``S^T flat`` for the count sketch: row ``i`` of ``flat`` (``[n, m]``)
+  times sign ``s_i`` added to bucket ``h_i`` (``[k, m]``), accumulated in
+  float32. ``(h, s)`` come from ``key``: the same key gives the same
+  sketch, so the backward pass sketches the output gradient alike."""
+  n = flat.shape[0]
+  k_bucket, k_sign = jax.random.split(key)
+  buckets = jax.random.randint(k_bucket, (n,), 0, k)
+  signs = jax.random.rademacher(k_sign, (n,), jnp.float32)
+  rows = flat.astype(jnp.float32) * signs[:, None]
+  return jax.ops.segment_sum(rows, buckets, num_segments=k).astype(flat.dtype)
+
+
 def sketch(key, flat, k: int, kind: str):
   """``S^T flat`` (``flat: [n, m]`` -> ``[k, m]``), accumulated in float32
   over row blocks of ``S`` drawn one at a time (a loop, so that only one
   block is alive)."""
+  if kind == 'count':
+    return count_sketch(key, flat, k)
   n, m = flat.shape
   rows = _block_rows(n, k)
   full, rest = divmod(n, rows)
@@ -210,8 +248,23 @@ def _check(ratio, kind) -> float:
   return float(ratio)
 
 
+# Bytes of the key the backward pass keeps with each sketch (threefry's
+# two uint32 words).
+KEY_BYTES = 8
+
+
+def _sketch_bytes(x_aval, free: list[int], ratio: float) -> tuple[int, int,
+                                                                   int, int]:
+  """``(n, k, sketch bytes, input bytes)`` of one layer input."""
+  n = math.prod(x_aval.shape[a] for a in free)
+  k = max(1, math.ceil(ratio * n))
+  size = math.prod(x_aval.shape)
+  itemsize = np.dtype(x_aval.dtype).itemsize
+  return n, k, size // n * k * itemsize + KEY_BYTES, size * itemsize
+
+
 def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
-                      kind: str = 'gaussian') -> Mox:
+                      kind: str = 'count') -> Mox:
   """Selected linear layers keep a random sketch of their input for the
   kernel gradient (unbiased) instead of the input itself.
 
@@ -222,12 +275,20 @@ def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
     ``yax.lora`` adapts: Dense, DenseGeneral, Einsum, nnx.Linear ...).
   - ``ratio``: the sketch keeps ``k = ceil(ratio * n)`` of the input's
     ``n`` rows (every position that is not contracted).
-  - ``kind``: ``'gaussian'`` (``N(0, 1/k)`` entries) or ``'rademacher'``.
+  - ``kind``: ``'count'`` (a count sketch, linear in the rows: the
+    default), ``'gaussian'`` (``N(0, 1/k)`` entries) or ``'rademacher'``
+    (both quadratic in the rows); variances in the module docstring.
 
   **Returns:** the new tree. It takes one more keyword argument,
-  ``sketch_key`` (a raw ``jax.random.PRNGKey``), which draws the sketches;
+  ``sketch_key`` (any JAX key: ``jax.random.key(0)`` or a raw
+  ``jax.random.PRNGKey(0)``), which draws the sketches;
   pass a new one every training step. ``eval_mox`` without it raises
   ``yax.SignatureError``. Outputs and input gradients are exact.
+
+  Raises ``SubstitutionError`` naming each selected call that cannot be
+  sketched (not a ``dot_general`` layer, or one whose sketch and key would
+  keep more bytes than its input, with the figures), ending with an XPath
+  that leaves them out.
 
   Example::
 
@@ -263,17 +324,29 @@ def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
       problems.append((node, 'its input has no position that is not '
                        'contracted (one row): there is nothing to sketch'))
       continue
+    x_aval = eqn.inputs[side_x].aval
+    n, k, kept, full = _sketch_bytes(
+        x_aval, _free_axes(x_aval.ndim, (lc, rc)[side_x], (lb, rb)[side_x]),
+        ratio)
+    if kept > full:
+      problems.append((node, (
+          f'its sketch would keep {kept} bytes ({k} of {n} rows at ratio '
+          f'{ratio:g}, and the {KEY_BYTES}-byte key), more than its input '
+          f'{x_aval.str_short(short_dtypes=True)} ({full} bytes)')))
+      continue
     sites.append((eqn, plan.contraction.kernel_side))
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
+    hint = leave_out_hint([(n, False) for n, _ in problems], selection,
+                          chosen.targets)
     raise SubstitutionError(
         f'randomized_linear cannot sketch {len(problems)} of the '
         f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
-        f'{lines}')
+        f'{lines}\n{hint}')
   side = {id(eqn): (i, 1 - kernel_side)
           for i, (eqn, kernel_side) in enumerate(sites)}
   named: dict = {}
-  key_spec = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  key_spec = jax.eval_shape(lambda: jax.random.key(0))
 
   def replace(path, eqn):
     del path

@@ -10,6 +10,8 @@ Values are dropped from the environment after their last use, as JAX's
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 import weakref
 from typing import Any, Sequence
 
@@ -24,6 +26,15 @@ from yax._src.trace import nnx as _nnx
 
 
 # ---------------------------------------------------------- interpreter
+
+# A function of a module call returning a context manager that every
+# interpreter enters around the call's body while it is set (None: none).
+# ``yax.memory_report`` opens a ``jax.named_scope`` per call with it, so the
+# equations JAX traces carry the call they belong to, in ``eval_mox`` trees
+# that a loss function evaluates as well.
+MODULE_SCOPE: contextvars.ContextVar = contextvars.ContextVar(
+    'yax_module_scope', default=None)
+
 
 class Interpreter:
   """Runs a tree node by node. Override a ``run_*`` method to change a kind.
@@ -90,11 +101,13 @@ class Interpreter:
   def run_module(self, mox: Mox) -> None:
     self.modules.append(mox)
     dead = self._dead[-1] if self._dead else {}
+    hook = MODULE_SCOPE.get()
     try:
-      for child in mox.children:
-        self.run_node(child)
-        for s in dead.get(id(child), ()):  # last used by ``child``
-          self.env.pop(s, None)
+      with hook(mox) if hook is not None else contextlib.nullcontext():
+        for child in mox.children:
+          self.run_node(child)
+          for s in dead.get(id(child), ()):  # last used by ``child``
+            self.env.pop(s, None)
     finally:
       self.modules.pop()
 
@@ -222,6 +235,8 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
     leaves, paths = _match_tree(mox, jax.tree_util.tree_unflatten(tree, leaves))
   # Not strict: without an ``in_tree`` the counts may differ, which
   # ``Interpreter.run`` reports.
+  leaves = [_typed_key(sym, x) for sym, x in zip(mox.inputs, leaves)] + \
+      list(leaves[len(mox.inputs):])
   for i, (sym, x) in enumerate(zip(mox.inputs, leaves, strict=False)):
     problem = _leaf_problem(sym, x)
     if problem:
@@ -232,6 +247,30 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
           f'eval_mox: argument {paths[i]} does not match the trace.\n'
           f'  expected: {problem[0]}\n  given:    {problem[1]}')
   return leaves
+
+
+def _typed_key(sym: Symbol, x):
+  """``x`` as a typed PRNG key where the trace has one and ``x`` is a raw
+  key (``jax.random.PRNGKey``'s ``uint32`` data) of the default
+  implementation with the same key shape; else ``x`` unchanged (checked
+  by :func:`_leaf_problem`). Any JAX key is accepted where a key is taken."""
+  dtype = getattr(sym.aval, 'dtype', None)
+  if (isinstance(sym, Literal) or dtype is None
+      or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+      or isinstance(x, jax.ShapeDtypeStruct)):
+    return x
+  try:
+    aval = jax.typeof(x)
+  except Exception:  # noqa: BLE001 - not a JAX value: reported by _leaf_problem
+    return x
+  if getattr(aval, 'dtype', None) != jax.numpy.uint32:
+    return x
+  data = jax.eval_shape(jax.random.key_data,
+                        jax.ShapeDtypeStruct(tuple(sym.aval.shape), dtype))
+  if tuple(aval.shape) != tuple(data.shape):
+    return x
+  key = jax.random.wrap_key_data(x)  # the default implementation's
+  return key if key.dtype == dtype else x
 
 
 def _leaf_problem(sym: Symbol, x) -> tuple[str, str] | None:
@@ -261,6 +300,14 @@ def _leaf_problem(sym: Symbol, x) -> tuple[str, str] | None:
     return (sym.type_str, f'{type(x).__name__} {safe_repr(x, 200)}')
   if (tuple(aval.shape) != tuple(sym.aval.shape)
       or aval.dtype != sym.aval.dtype):
+    if not all(isinstance(d, int) for d in sym.aval.shape):
+      return (f'{sym.type_str}, a symbolic shape (traced with '
+              'jax.export.symbolic_shape)', f'{_given_type(x)}. eval_mox '
+              'runs a tree at the shapes it was traced with; to run a '
+              'rewritten model at any shape, record the rewrite and call '
+              'yax.keep(fn, res.recipe)(...), which traces and rewrites per '
+              'shape, or jax.export the tree at symbolic shapes and call '
+              'the export')
     return (sym.type_str, _given_type(x))
   return None
 

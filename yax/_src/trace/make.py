@@ -309,7 +309,13 @@ def map_mox(fn: Callable, mox) -> list:
   Jaxpr parameters although they call no module (a ``jit``-ed helper, the
   ``shard_map`` of a mixture of experts: see :func:`opened`), visited after
   the equation that holds them: a pattern match can lie there, and every
-  equation of a ``yax.Match`` is one that ``map_mox`` visits.
+  equation of a ``yax.Match`` is one that ``map_mox`` visits. Such a body
+  is visited as its equations only: it is no module call, so ``fn`` never
+  sees a :class:`Mox` that the XML view does not show.
+
+  Example: ``yax.map_mox(lambda n: n, mox)`` lists every node;
+  ``[n for n in that if isinstance(n, yax.Mox)]`` are the tree's
+  ``module_call`` elements.
   """
   out = []
   stack = [mox]
@@ -319,7 +325,9 @@ def map_mox(fn: Callable, mox) -> list:
     children = getattr(node, 'children', ())
     if not children and isinstance(node, Equation):
       holder = opened(node)
-      children = holder.children if holder is not None else ()
+      # The opened bodies' own nodes (equations), not the bodies.
+      children = ([c for body in holder.children for c in body.children]
+                  if holder is not None else ())
     stack.extend(reversed(children))
   return out
 

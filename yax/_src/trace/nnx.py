@@ -43,7 +43,8 @@ from jax import tree_util as jtu
 from yax._src.compat import nnx_is_node_type, nnx_node_items
 from yax._src.errors import YaxError
 from yax._src.ir import containers as _containers
-from yax._src.ir.variables import VariableTree, key_name, variable_treedef
+from yax._src.ir.variables import (VariableTree, is_variable_treedef, key_name,
+                                   variable_treedef)
 from yax._src.trace.calls import is_traced_value, marked_call, recording
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -65,15 +66,18 @@ def is_graph_node(x) -> bool:
 def var_kinds(mox) -> list[str] | None:
   """Variable type names of a module call's variable inputs, if NNX."""
   n = mox.num_vars
-  if not n:
+  # Read from the treedef's root node (never by building the tree, which
+  # a pytree node that checks its children could refuse): a Linen call's
+  # variables are a dict, an NNX call's a VariableTree.
+  if not n or not is_variable_treedef(mox.var_tree):
     return None
-  try:
-    tree = jtu.tree_unflatten(mox.var_tree, [None] * n)
-  except Exception:  # noqa: BLE001 - an unusual treedef: no kinds
-    return None
-  if isinstance(tree, VariableTree) and len(tree.kinds) == n:
-    return list(tree.kinds)
-  return None
+  _, kinds, _ = mox.var_tree.node_data()[1]
+  if len(kinds) != n:
+    raise YaxError(
+        f'module_call at {"/".join(map(str, mox.path)) or "<root>"}: its '
+        f'NNX variable tree names {len(kinds)} variable types for {n} '
+        f'variable inputs; the tree was built inconsistently')
+  return list(kinds)
 
 
 # ------------------------------------------------------------ patching
@@ -1144,12 +1148,16 @@ def _argument_prefix(keypath) -> tuple:
 def holds_graph_argument(mox) -> bool:
   """True for a tree traced with an NNX module (not its state) among the
   arguments: the module form, whose variables rewrites cannot add to."""
-  try:
-    tree = jtu.tree_unflatten(mox.in_tree, [None] * len(mox.inputs))
-  except Exception:  # noqa: BLE001
-    return False
-  return any(isinstance(x, GraphArgument) for x in jtu.tree_leaves(
-      tree, is_leaf=lambda x: isinstance(x, GraphArgument)))
+  # Walk the treedef's nodes (never build the tree: a pytree node of the
+  # user's that checks its children would refuse placeholder leaves).
+  stack = [mox.in_tree] if mox.in_tree is not None else []
+  while stack:
+    treedef = stack.pop()
+    data = treedef.node_data()
+    if data is not None and data[0] is GraphArgument:
+      return True
+    stack.extend(treedef.children())
+  return False
 
 
 # --------------------------------------------------------- command line

@@ -1,0 +1,165 @@
+"""Kernels that ``lora``, ``quantize`` and ``init_params`` reach in less
+common places (issue 32): an ``nn.vmap`` stack whose input the vmap does
+not batch, ... Each checked against the same computation written here
+with plain ``jnp`` per slice."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def int8_per_slice(w):
+  """``w: [slices, in, out]`` rounded to int8 per slice and output column
+  (symmetric absmax over ``in``), dequantized."""
+  w = np.asarray(w, np.float32)
+  scale = np.abs(w).max(1, keepdims=True) / 127
+  return np.clip(np.round(w / scale), -127, 127) * scale
+
+
+class Unbatched(nn.Module):
+  """Three Dense layers stacked by ``nn.vmap`` on one unbatched input."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.vmap(nn.Dense, variable_axes={'params': 0},
+                    split_rngs={'params': True}, in_axes=None, out_axes=0,
+                    axis_size=3)
+    return stack(4, name='d')(x)
+
+
+def unbatched():
+  x = jax.random.normal(jax.random.key(0), (2, 5))
+  model = Unbatched()
+  return model, model.init(jax.random.key(1), x), x
+
+
+def per_slice_lora(x, kernel, bias, a, b, scale):
+  """What one LoRA pair per slice computes: ``[slices, batch, out]``."""
+  return jnp.stack([x @ (kernel[s] + scale * a[s] @ b[s]) + bias[s]
+                    for s in range(kernel.shape[0])])
+
+
+def random_adapters(params):
+  p = jax.tree.map(lambda v: v, params)
+  d = p['params']['d']
+  d['lora_a'] = jax.random.normal(jax.random.key(7), d['lora_a'].shape)
+  d['lora_b'] = jax.random.normal(jax.random.key(8), d['lora_b'].shape)
+  return p
+
+
+def test_lora_on_a_vmap_stack_with_an_unbatched_input_has_a_pair_per_slice():
+  # Before: one pair shared by the stack, lora_a (5, 2), lora_b (2, 3, 4).
+  model, variables, x = unbatched()
+  mox = yax.make_mox(model.apply)(variables, x)
+  res = yax.lora(mox, variables, '//module_call[@type="Dense"]', rank=2,
+                 alpha=4.0)
+  yax.check_mox(res.mox)
+  d = res.params['params']['d']
+  assert d['lora_a'].shape == (3, 5, 2) and d['lora_b'].shape == (3, 2, 4)
+  p = random_adapters(res.params)
+  k = variables['params']['d']
+  want = per_slice_lora(x, k['kernel'], k['bias'], p['params']['d']['lora_a'],
+                        p['params']['d']['lora_b'], 2.0)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, p, x), want, **TOL)
+  merged = res.merge(p)['params']['d']
+  np.testing.assert_allclose(model.apply({'params': {'d': merged}}, x), want,
+                             **TOL)
+
+
+def test_qlora_and_init_params_on_a_vmap_stack_with_an_unbatched_input():
+  model, variables, x = unbatched()
+  mox = yax.make_mox(model.apply)(variables, x)
+  dense = '//module_call[@type="Dense"]'
+  q = yax.quantize(mox, variables, dense, weight='int8')
+  assert q.params['params']['d']['kernel_scale'].shape == (3, 1, 4)
+  res = yax.lora(q.mox, q.params, dense, rank=2)
+  yax.check_mox(res.mox)
+  d = res.params['params']['d']
+  assert d['lora_a'].shape == (3, 5, 2) and d['lora_b'].shape == (3, 2, 4)
+  p = random_adapters(res.params)
+  k = variables['params']['d']
+  deq = int8_per_slice(k['kernel'])
+  want = per_slice_lora(x, deq, k['bias'], p['params']['d']['lora_a'],
+                        p['params']['d']['lora_b'], 0.5)
+  np.testing.assert_allclose(yax.eval_mox(res.mox, p, x), want, **TOL)
+  # init_params makes the same adapters (per slice) and scales from the
+  # float params.
+  full = yax.init_params(res.mox, variables, key=jax.random.key(2))
+  f = full['params']['d']
+  assert f['lora_a'].shape == (3, 5, 2) and f['lora_b'].shape == (3, 2, 4)
+  np.testing.assert_array_equal(f['kernel_scale'], d['kernel_scale'])
+  np.testing.assert_allclose(
+      yax.eval_mox(res.mox, full, x),
+      jnp.stack([x @ deq[s] + k['bias'][s] for s in range(3)]), **TOL)
+
+
+class TwoKernels(nn.Module):
+  """Two kernels contracted in the body (each at its own dot_general,
+  through a ReLU, so adapted in place); ``w2`` is also contracted with
+  itself, which no adapter fits."""
+
+  @nn.compact
+  def __call__(self, x):
+    w1 = self.param('w1', nn.initializers.normal(1.0), (5, 4))
+    w2 = self.param('w2', nn.initializers.normal(1.0), (4, 4))
+    h = jax.nn.relu(x @ w1)
+    return h @ w2 + (w2 @ w2).sum()
+
+
+def test_a_call_with_kernels_that_fit_and_one_that_does_not_is_refused():
+  # Before: lora and quantize rewrote w1 and silently left w2 as it was.
+  x = jnp.ones((2, 5))
+  model = TwoKernels()
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  for tool in (yax.lora, yax.quantize):
+    with pytest.raises(yax.SubstitutionError) as info:
+      tool(mox, variables, '//module_call[@type="TwoKernels"]')
+    message = str(info.value)
+    assert 'params/w1' in message and 'params/w2' in message
+    assert 'not others is refused' in message
+    # The last line selects what the tool can do: nothing here.
+    assert yax.query(message.splitlines()[-1].strip(), mox) == []
+
+
+class Experts(nn.Module):
+  """A MoE's experts, [experts, in, out], contracted by ragged_dot."""
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    w = self.param('experts', nn.initializers.normal(1.0), (3, 5, 4))
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+def test_init_params_keeps_the_scale_record_under_in_place_lora():
+  # QLoRA adapts a ragged_dot's experts in place, in the call's body; the
+  # call, given new variables, lost its class and init_params its record
+  # of the scales: "params lacks ... experts_scale ... no module call of
+  # the tree declares it".
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  sizes = jnp.array([2, 3, 1], jnp.int32)
+  model = Experts()
+  variables = model.init(jax.random.key(1), x, sizes)
+  mox = yax.make_mox(model.apply)(variables, x, sizes)
+  select = '//module_call[@type="Experts"]'
+  q = yax.quantize(mox, variables, select, weight='int8')
+  res = yax.lora(q.mox, q.params, select, rank=2)
+  yax.check_mox(res.mox)
+  full = yax.init_params(res.mox, variables, key=jax.random.key(2))
+  got = full['params']
+  np.testing.assert_array_equal(got['experts'], q.params['params']['experts'])
+  np.testing.assert_array_equal(got['experts_scale'],
+                                q.params['params']['experts_scale'])
+  assert got['lora_a'].shape == (3, 5, 2) and got['lora_b'].shape == (3, 2, 4)
+  deq = int8_per_slice(variables['params']['experts'])
+  np.testing.assert_allclose(yax.eval_mox(res.mox, full, x, sizes),
+                             jax.lax.ragged_dot(x, jnp.asarray(deq), sizes),
+                             **TOL)

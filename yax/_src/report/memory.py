@@ -1,0 +1,245 @@
+"""``yax.memory_report``: what a training step keeps, per module call.
+
+A training step keeps, between its forward and its backward pass, the
+residuals JAX's autodiff saves (``jax.ad_checkpoint.saved_residuals``
+lists them, each with the source line that computes it). This report
+says which module call computes each one:
+
+1. ``loss`` is traced with ``yax.make_mox``, so the module calls and
+   their paths are known;
+2. the tree is evaluated by an interpreter that opens one
+   ``jax.named_scope`` per module call around its body, inside
+   ``jax.vjp`` with respect to the first argument (the params), as
+   ``saved_residuals`` does;
+3. each residual belongs to the innermost module call whose scope its
+   producing equation carries (exclusive: a ``Block``'s row does not hold
+   what its ``Dense`` computes). Residuals computed outside every module
+   call (the loss itself) are the unattributed remainder; arguments,
+   constants and literals take no memory of their own and are listed
+   apart.
+
+Training memory is estimated as ``4 x param bytes + saved`` (params,
+gradients and Adam's two moments, plus the residuals); XLA's memory
+analysis of the compiled gradient is given beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.extend.core
+import numpy as np
+
+from yax._src import compat
+from yax._src.errors import SignatureError
+from yax._src.ir.nodes import Mox
+from yax._src.ir.nodes import iter_nodes
+from yax._src.trace.eval import MODULE_SCOPE, Interpreter, check_arguments
+from yax._src.trace.make import make_mox
+
+_SCOPE = 'yax.call'
+_SCOPE_RE = re.compile(re.escape(_SCOPE) + r'(\d+)')
+
+
+def nbytes(aval) -> int:
+  """Bytes of one value of type ``aval`` (a PRNG key: its key data)."""
+  shape = tuple(getattr(aval, 'shape', ()))
+  dtype = aval.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape,
+                                                                    dtype))
+    return math.prod(data.shape) * np.dtype(data.dtype).itemsize
+  return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+  """One module call site: ``path`` (``a/b``; ``<Type>`` for a call at
+  the root path), its ``type``, the ``bytes`` of the residuals it computes
+  itself (exclusive) and their types (``residuals``)."""
+  path: str
+  type: str
+  bytes: int
+  residuals: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """What ``yax.memory_report`` returns; ``str()`` prints it as a table.
+
+  Attributes:
+    rows: one :class:`MemoryRow` per module path, in call order (every
+      module call, those keeping nothing included).
+    unattributed: bytes of residuals computed outside every module call.
+    unattributed_residuals: their types.
+    total: bytes of every residual but the arguments, constants and
+      literals (``saved_residuals``' total, arguments excluded).
+    excluded: residual types that are arguments, constants or literals.
+    param_bytes: bytes of the first argument's array leaves.
+    training: ``4 * param_bytes + total``.
+    xla: XLA's memory analysis of the compiled ``jax.grad(loss)``
+      (``argument``, ``output``, ``temp``, ``alias``, ``generated_code``
+      bytes), or None when not computed or the backend gives none.
+  """
+  rows: tuple[MemoryRow, ...]
+  unattributed: int
+  unattributed_residuals: tuple[str, ...]
+  total: int
+  excluded: tuple[str, ...]
+  param_bytes: int
+  training: int
+  xla: dict[str, int] | None
+
+  def by_path(self) -> dict[str, int]:
+    """``{path: bytes}`` of the rows."""
+    return {r.path: r.bytes for r in self.rows}
+
+  def __str__(self) -> str:
+    width = max([len(r.path) for r in self.rows] + [24])
+    lines = [f'{"module call":<{width}}  {"type":<20}  {"kept (bytes)":>14}']
+    for r in self.rows:
+      lines.append(f'{r.path:<{width}}  {r.type[:20]:<20}  {r.bytes:>14,}')
+    lines.append(f'{"(outside module calls)":<{width}}  {"":<20}  '
+                 f'{self.unattributed:>14,}')
+    lines.append(f'{"total saved":<{width}}  {"":<20}  {self.total:>14,}')
+    lines.append(f'{"params":<{width}}  {"":<20}  {self.param_bytes:>14,}')
+    lines.append(f'{"training (4 x params + saved)":<{width}}  {"":<20}  '
+                 f'{self.training:>14,}')
+    if self.xla:
+      lines.append('XLA memory analysis of jax.grad(loss): ' + ', '.join(
+          f'{k} {v:,}' for k, v in self.xla.items()))
+    return '\n'.join(lines)
+
+
+class _Scopes:
+  """``MODULE_SCOPE`` hook: a ``jax.named_scope`` ``yax.call<i>`` around
+  the body of each module call any interpreter runs (``calls[i]``). The
+  root of a tree (the traced function: no type, no path) is no call."""
+
+  def __init__(self):
+    self.calls: list[Mox] = []
+
+  def __call__(self, mox: Mox):
+    if not mox.type_name and not mox.path:
+      return contextlib.nullcontext()
+    self.calls.append(mox)
+    return jax.named_scope(f'{_SCOPE}{len(self.calls) - 1}')
+
+
+def _path_text(call: Mox) -> str:
+  return '/'.join(call.path) or f'<{call.type_name or "root"}>'
+
+
+def _xla_memory(loss, args) -> dict[str, int] | None:
+  compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+  analysis = compiled.memory_analysis()
+  if analysis is None:  # the backend does not report one
+    return None
+  out = {}
+  for name in ('argument', 'output', 'temp', 'alias', 'generated_code'):
+    value = getattr(analysis, f'{name}_size_in_bytes', None)
+    if value is not None:
+      out[name] = int(value)
+  return out
+
+
+def memory_report(loss, *args, xla: bool = True) -> MemoryReport:
+  """Bytes each module call keeps for the backward pass of ``loss``.
+
+  **Arguments:**
+  - ``loss``: a function of ``(params, *rest)`` returning the scalar a
+    training step differentiates with respect to ``params``; it may call a
+    Flax ``apply``, an NNX module or ``yax.eval_mox``.
+  - ``*args``: its arguments (arrays; the first is the params).
+  - ``xla``: also compile ``jax.grad(loss)`` for XLA's memory analysis.
+
+  **Returns:** a :class:`MemoryReport`: rows of (module path, bytes kept,
+  exclusive), the unattributed remainder, the total (JAX's
+  ``saved_residuals`` total with respect to the params, arguments
+  excluded), the training memory ``4 x param bytes + saved`` and XLA's
+  memory analysis.
+
+  Example::
+
+      report = yax.memory_report(
+          lambda p, x: model.apply(p, x).sum(), variables, x)
+      print(report)                    # a table
+      report.by_path()['encoder/layer_0']
+  """
+  if not args:
+    raise SignatureError(
+        'memory_report(loss, *args): expected the arguments of loss (the '
+        'params first), found none')
+  mox = make_mox(loss)(*args)
+  params, rest = args[0], args[1:]
+  p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+  scopes = _Scopes()
+  # A loss whose trace holds module calls (Flax, NNX) is replayed from its
+  # tree; one that evaluates YAX trees (``eval_mox``) runs as it is, and
+  # those trees' calls open the scopes.
+  replay = any(isinstance(n, Mox) and n is not mox for n in iter_nodes(mox))
+
+  def run(p_leaves, rest):
+    p = jax.tree_util.tree_unflatten(p_tree, p_leaves)
+    if not replay:
+      return loss(p, *rest)
+    leaves = check_arguments(mox, (p, *rest), {})
+    outs = Interpreter().run(mox, mox.consts, leaves)
+    return jax.tree_util.tree_unflatten(mox.out_tree, outs) \
+        if mox.out_tree is not None else outs
+
+  def vjp(p_leaves, rest):
+    return jax.vjp(lambda *p: run(list(p), rest), *p_leaves)
+
+  token = MODULE_SCOPE.set(scopes)
+  try:
+    closed, shapes = jax.make_jaxpr(vjp, return_shape=True)(p_leaves, rest)
+  finally:
+    MODULE_SCOPE.reset(token)
+  calls = scopes.calls
+  jaxpr = closed.jaxpr
+  n_res = len(jax.tree_util.tree_leaves(shapes[1]))
+  res = jaxpr.outvars[len(jaxpr.outvars) - n_res:]
+  inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  by_path: dict[str, list] = {}
+  types: dict[str, str] = {}
+  for call in calls:  # every call, in order, even those keeping nothing
+    by_path.setdefault(_path_text(call), [])
+    types.setdefault(_path_text(call), call.type_name or '')
+  outside: list = []
+  excluded: list[str] = []
+  seen = set()
+  for v in res:
+    if isinstance(v, jax.extend.core.Literal):
+      excluded.append(v.aval.str_short(short_dtypes=True))
+      continue
+    if v in seen:
+      continue
+    seen.add(v)
+    if v in inputs:
+      excluded.append(v.aval.str_short(short_dtypes=True))
+      continue
+    scopes = _SCOPE_RE.findall(compat.name_stack_text(producer[v]))
+    target = outside if not scopes else by_path[_path_text(
+        calls[int(scopes[-1])])]
+    target.append(v.aval)
+  rows = tuple(MemoryRow(path, types[path], sum(map(nbytes, avals)),
+                         tuple(a.str_short(short_dtypes=True) for a in avals))
+               for path, avals in by_path.items())
+  unattributed = sum(map(nbytes, outside))
+  total = unattributed + sum(r.bytes for r in rows)
+  param_bytes = sum(nbytes(jax.typeof(x)) for x in p_leaves
+                    if hasattr(x, 'dtype'))
+  return MemoryReport(
+      rows=rows, unattributed=unattributed,
+      unattributed_residuals=tuple(a.str_short(short_dtypes=True)
+                                   for a in outside),
+      total=total, excluded=tuple(excluded), param_bytes=param_bytes,
+      training=4 * param_bytes + total,
+      xla=_xla_memory(loss, args) if xla else None)
