@@ -168,8 +168,7 @@ def main(argv=None) -> int:
   run = lambda tree: jax.jit(lambda p, i: yax.eval_mox(tree, p, i))
   same = max_diff(run(grouped)(params, ids), run(mox)(params, ids))
   print(f'grouped tree evaluates like the original: max |diff| = {same:.1e}')
-  from yax._src.report.html import write_html  # the viewer `yax html` writes
-  size = write_html(grouped, args.html, title='BERT, GELUs grouped')
+  size = yax.write_html(grouped, args.html, title='BERT, GELUs grouped')
   print(f'viewer of the grouped tree written to {args.html} ({size} bytes)')
 
   # 3. Swap for the tanh approximation; check against HF's gelu_new BERT.

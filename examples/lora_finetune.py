@@ -19,7 +19,7 @@ Run::
     python examples/lora_finetune.py --small       # a few seconds (CI)
 
 It needs ``optax``, ``scikit-learn``, ``tqdm`` and ``matplotlib``
-(``pip install 'yax-mox[examples]'``).
+(``pip install -e '.[examples]'`` in a clone).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from yax._src.errors import XPathError as XPathError
 from yax._src.errors import YaxError as YaxError
 from yax._src.trace.eval import Interpreter as Interpreter
 from yax._src.report.explorer import to_model_explorer as to_model_explorer
+from yax._src.report.export import export as export
 from yax._src.tools.fewbit import fewbit as fewbit
 from yax._src.trace.eval import eval_mox as eval_mox
 from yax._src.ir.lower import to_jaxpr as to_jaxpr
@@ -57,6 +58,12 @@ from yax._src.rewrite.recipe import Recipe as Recipe
 from yax._src.rewrite.recipe import recipe as recipe
 from yax._src.report.summary import SummaryRow as SummaryRow
 from yax._src.report.summary import summary as summary
+from yax._src.report.summary import format_summary as format_summary
+from yax._src.report.summary import print_table as print_summary
+from yax._src.report.html import notebook_html as notebook_html
+from yax._src.report.html import render_html as render_html
+from yax._src.report.html import write_html as write_html
+from yax._src.views.printing import pformat as pformat
 from yax._src.report.memory import MemoryReport as MemoryReport
 from yax._src.report.memory import MemoryRow as MemoryRow
 from yax._src.report.memory import memory_report as memory_report

@@ -82,6 +82,15 @@ def kwargs_not_a_dict():
   return (lambda x: x, (), [1])
 
 
+def lora_factory():
+  import yax
+  model = MLP()
+  x = jnp.ones((2, 4))
+  variables = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  return yax.lora(mox, variables, '//module_call[@name="out"]', rank=2).mox
+
+
 def trace_fails():
   return (lambda x: x.no_such_attribute, (jnp.ones(2),), {})
 
@@ -388,6 +397,38 @@ def test_html_writes_self_contained_viewer(workdir, model):
   assert data['totals']['params'] == _summary.total_params(mox)[0]
 
 
+def test_factory_may_return_a_rewritten_mox(workdir):
+  """Before, a factory returning a Mox was refused ("returned a Mox,
+  expected a tuple"), and wrapping it in eval_mox showed 0 module calls."""
+  out = run_yax('summary', 'yax_cli_model.py:lora_factory',
+                cwd=workdir).stdout.decode()
+  rows = _table_rows(out)
+  assert set(rows) == {'hidden', 'out', '(top)'}
+  assert rows['(top)'][1] == 'MLP'  # it keeps its type
+  assert '3 module calls' not in out and '4 module calls' in out  # + LoRA
+  # out: Dense(5 -> 3) in the LoRA call with its adapters (5 x 2, 2 x 3).
+  lora_row = next(line for line in out.splitlines() if '│ LoRA' in line)
+  cells = [c.strip() for c in lora_row.split('│')]
+  assert cells[1:3] == ['out', 'LoRA']
+  # Own params (the adapters), then all it reads (with the Dense's).
+  own, total = f'{5 * 2 + 2 * 3}', f'{5 * 3 + 3 + 5 * 2 + 2 * 3}'
+  assert own in cells and total in cells
+  assert cells.index(own) < cells.index(total)
+  found = run_yax('query', '//module_call[@type="LoRA"]/@path',
+                  'yax_cli_model.py:lora_factory', cwd=workdir).stdout
+  assert found.decode().split() == ['out']
+
+
+def test_html_writes_a_default_file_named_after_the_model(workdir):
+  """Before, -o was required."""
+  proc = run_yax('html', 'yax_cli_model.py', cwd=workdir)
+  assert proc.stderr.decode().startswith('wrote yax_cli_model.html (')
+  assert (workdir / 'yax_cli_model.html').read_text().startswith('<!doctype html>')
+  assert _main.default_html_name('pkg.mod:build') == 'mod_build.html'
+  assert _main.default_html_name('yax._src.cli.bundled:factory') == \
+      'bundled.html'
+
+
 def test_html_no_compress_embeds_json(workdir, model):
   mox, _ = model
   run_yax('html', '--no-compress', '-o', 'plain.html', 'yax_cli_model.py:factory',
@@ -468,7 +509,6 @@ ERRORS = [
      r"'no_such_package_for_yax_tests'"),
     (['show', 'broken:factory'], 1,
      r"importing module 'broken' failed: ModuleNotFoundError"),
-    (['html', 'yax_cli_model.py'], 2, r"Missing option '-o' / '--output'"),
     (['show', '--no-such-option'], 2, r"No such option:? '?--no-such-option"),
     (['no-such-command'], 2, r"No such command 'no-such-command'"),
     (['summary', '--depth', '-1'], 2, r"Invalid value for '--depth'"),

@@ -127,9 +127,11 @@ def test_module_replacement_with_new_variables_grows_params(mlp):
   h = jax.nn.relu(x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'])
   h = jax.nn.relu(scaled.apply(scaled_vars, h))
   close(out, h @ p['Dense_2']['kernel'] + p['Dense_2']['bias'])
-  # The enclosing MLP call is no longer described by its class.
+  # The enclosing MLP call keeps its type; it is marked rewritten, since
+  # its class no longer declares the variables it reads.
   top = new.children[0]
-  assert top.is_ephemeral and top.path == ()
+  assert top.type_name == 'MLP' and top.rewritten and top.path == ()
+  assert top.rebuild_ty is None
   assert top.num_vars == len(jax.tree_util.tree_leaves(params))
 
 

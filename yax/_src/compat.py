@@ -183,6 +183,24 @@ def linen_rng_keys(scope) -> dict:
   return {name: getattr(lazy, 'rng', None) for name, lazy in rngs.items()}
 
 
+def without_name_stack(source_info):
+  """``source_info`` (an equation's ``SourceInfo``) with an empty name stack.
+
+  Why: an equation keeps the ``named_scope`` names it was traced under
+  (Flax's ``MLP/Dense_0``), and JAX appends them to the names in effect when
+  it is bound again; ``yax.export`` names each op by its module path in the
+  rewritten tree instead. JAX has no public constructor for ``NameStack``:
+  the empty one is made from the type of the one the equation holds.
+  """
+  stack = getattr(source_info, 'name_stack', None)
+  if stack is None:
+    return source_info
+  empty = type(stack)()
+  if hasattr(source_info, 'replace'):
+    return source_info.replace(name_stack=empty)
+  return source_info._replace(name_stack=empty)  # a NamedTuple (older JAX)
+
+
 def name_stack_text(eqn) -> str:
   """The ``jax.named_scope`` stack an equation of a ``jax.make_jaxpr``
   result was traced under, as text (``jvp(yax.call3)/yax.call5``).

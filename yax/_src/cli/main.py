@@ -2,7 +2,9 @@
 
 Every subcommand takes an optional MODEL argument, a *factory*: a function
 that returns ``(fn, args, kwargs)``; the command traces
-``yax.make_mox(fn)(*args, **kwargs)``. MODEL is written ``module:factory``
+``yax.make_mox(fn)(*args, **kwargs)``. A factory may also return a
+``yax.Mox`` (a rewritten model: ``yax.lora(...).mox``), shown as it is.
+MODEL is written ``module:factory``
 (an importable module, looked up from the current directory first) or
 ``path/to/file.py:factory``; ``:factory`` may be left out when the function
 is called ``factory``. Without MODEL the bundled example model
@@ -175,7 +177,9 @@ def _import_module(name: str):
 
 
 def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
-  """Imports and calls a factory; returns ``(fn, args, kwargs, label)``."""
+  """Imports and calls a factory; returns ``(fn, args, kwargs, label)``,
+  ``fn`` a ``Mox`` (and no arguments) when the factory returned one."""
+  from yax._src.ir.nodes import Mox
   spec = spec or BUNDLED
   target, attr = _parse_spec(spec)
   module = _import_file(target) if _is_file_target(target) else \
@@ -194,7 +198,9 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
       result = factory()
   except Exception as e:
     raise _Failure(f'factory {spec} raised {_describe(e)}') from e
-  expected = 'expected a tuple (fn, args, kwargs)'
+  if isinstance(result, Mox):  # a traced (and perhaps rewritten) model
+    return result, (), {}, spec
+  expected = 'expected a tuple (fn, args, kwargs) or a yax.Mox'
   if not isinstance(result, (tuple, list)) or len(result) != 3:
     found = (f'a {type(result).__name__} of length {len(result)}'
              if isinstance(result, (tuple, list)) else
@@ -216,9 +222,14 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
 
 
 def trace_model(spec: str | None):
-  """Loads MODEL and traces it; returns ``(mox, label)``."""
+  """Loads MODEL and traces it; returns ``(mox, label)``. A factory's
+  ``Mox`` is returned as it is (tracing it again would record its
+  evaluation, with no module calls)."""
+  from yax._src.ir.nodes import Mox
   from yax._src.trace.make import make_mox
   fn, args, kwargs, label = load_model(spec)
+  if isinstance(fn, Mox):
+    return fn, label
   try:
     with progress(f'tracing {label}'):
       return make_mox(fn)(*args, **kwargs), label
@@ -486,8 +497,10 @@ def query(xpath, model, count_only):
 
 @cli.command()
 @model_argument
-@click.option('-o', '--output', metavar='FILE', required=True,
-              help='The HTML file to write.')
+@click.option('-o', '--output', metavar='FILE', default=None,
+              help='The HTML file to write (default: MODEL\'s name with '
+              '.html, in the current directory, e.g. model.html for '
+              'model.py:factory; - for stdout).')
 @click.option('--title', default=None, help='Page title (default: MODEL).')
 @click.option('--no-compress', is_flag=True,
               help='Embed the data as plain JSON instead of gzip+base64 '
@@ -501,6 +514,8 @@ def html(model, output, title, no_compress):
   """
   from yax._src.report import html as _html
   mox, label = trace_model(model)
+  if output is None:
+    output = default_html_name(label)
   with progress('rendering the viewer'):
     text = _html.render_html(mox, title=title or label,
                              compress=not no_compress)
@@ -509,6 +524,18 @@ def html(model, output, title, no_compress):
   if output not in (None, '-'):
     from yax._src.report.summary import human_bytes
     click.echo(f'wrote {output} ({human_bytes(len(text.encode()))})', err=True)
+
+
+def default_html_name(label: str) -> str:
+  """``yax html``'s file when ``-o`` is not given: the model file's or
+  module's name, and the factory's when it is not ``factory``:
+  ``model.py:factory`` -> ``model.html``, ``pkg.mod:build`` ->
+  ``mod_build.html``."""
+  target, attr = _parse_spec(label)
+  stem = (os.path.splitext(os.path.basename(target))[0]
+          if _is_file_target(target) else target.rsplit('.', 1)[-1])
+  name = stem if attr == 'factory' else f'{stem}_{attr}'
+  return re.sub(r'[^A-Za-z0-9_.-]+', '_', name) + '.html'
 
 
 @cli.command()

@@ -251,8 +251,9 @@ class Mox(Expr):
   Attributes:
     children: the body, a list of :class:`Equation` and :class:`Mox`.
     module_ty: the Flax module class; ``None`` for an ephemeral node (the
-      traced function itself, a spliced function, or a module whose class no
-      longer describes it after a rewrite).
+      traced function itself, a spliced function, a ``yax.group``). It
+      names the call in every view, also after a rewrite changed the
+      call's variables (see ``rewritten``).
     entrypoint: the method name (``'__call__'``).
     params: module dataclass fields except ``parent``, including ``name``.
     path: Flax scope path, e.g. ``('encoder', 'layer', '0')``.
@@ -272,16 +273,22 @@ class Mox(Expr):
       quantized with its new scale); ``aval`` is the variable's type as the
       traced arguments hold it (stacked, in a scan body), ``read(keys)``
       the array they hold at another place of the call.
+    rewritten: True when a rewrite added variables or arguments to the
+      call (``lora`` or ``quantize`` inside it, ``sub`` with a replacement
+      that brings variables): it keeps its ``module_ty``, ``path`` and
+      fields, so selections written for the traced tree still find it,
+      but its class no longer declares what it reads, so no rewrite
+      rebuilds or re-runs it with that class (see ``rebuild_ty``).
   """
 
   __slots__ = ('children', 'module_ty', 'entrypoint', 'path', 'in_tree',
                'out_tree', 'var_tree', 'constvars', 'consts', 'debug_info',
-               'inits')
+               'inits', 'rewritten')
 
   def __init__(self, inputs, outputs, params=None, *, children=(),
                module_ty=None, entrypoint=None, path=(), in_tree=None,
                out_tree=None, var_tree=None, constvars=(), consts=(),
-               debug_info=None, inits=None):
+               debug_info=None, inits=None, rewritten=False):
     super().__init__(inputs, outputs, params)
     self.children = list(children)
     self.module_ty = module_ty
@@ -294,10 +301,18 @@ class Mox(Expr):
     self.consts = list(consts)
     self.debug_info = debug_info
     self.inits = inits
+    self.rewritten = rewritten
 
   @property
   def is_ephemeral(self) -> bool:
     return self.module_ty is None
+
+  @property
+  def rebuild_ty(self) -> type | None:
+    """The class that can rebuild or re-run this call (``cast``,
+    ``init_params``): ``module_ty``, or None when the call is ephemeral or
+    ``rewritten`` (its class no longer declares its variables)."""
+    return None if self.rewritten else self.module_ty
 
   @property
   def num_vars(self) -> int:
@@ -333,6 +348,10 @@ class Mox(Expr):
     """The tree as JSON text (same content as the XML view)."""
     return _view('json')(self, indent=indent)
 
+  def _repr_html_(self) -> str:
+    """The HTML viewer in a notebook cell (``yax.notebook_html``)."""
+    return _view('html')(self)
+
 
 EMPTY_TREE = jax.tree_util.tree_structure(())
 
@@ -346,7 +365,8 @@ VIEWS: dict[str, Callable[..., Any]] = {}
 
 def register_view(kind: str, fn: Callable[..., Any]) -> None:
   """Sets the function behind a view of a node: ``'text'`` (``str``),
-  ``'dict'`` (``Mox.to_dict``) or ``'json'`` (``Mox.to_json``)."""
+  ``'dict'`` (``Mox.to_dict``), ``'json'`` (``Mox.to_json``) or ``'html'``
+  (``Mox._repr_html_``, a notebook's view)."""
   VIEWS[kind] = fn
 
 

@@ -47,7 +47,7 @@ import io
 import json
 import re
 
-from yax._src.ir.nodes import Equation, Expr, Mox
+from yax._src.ir.nodes import Equation, Expr, Mox, register_view
 from yax._src.ir.text import escape_text
 from yax._src.report import summary as _summary
 from yax._src.version import __version__
@@ -79,8 +79,22 @@ def _nodes(mox: Expr) -> list[Expr]:
   return out
 
 
-def payload(mox: Expr, *, title: str = 'yax') -> dict:
-  """The data the page embeds (see the module docstring)."""
+def _bounded(text: str, limit: int | None) -> str:
+  """``text`` cut at ``limit`` characters (at a line end), with a note."""
+  if limit is None or len(text) <= limit:
+    return text
+  cut = text.rfind('\n', 0, limit)
+  cut = cut if cut > 0 else limit
+  lines = text.count('\n', cut) + 1
+  return (text[:cut] + f'\n... ({len(text) - cut:,} more characters, '
+          f'{lines:,} lines: print the node, or yax.pformat(node, depth=...), '
+          'for the whole text)')
+
+
+def payload(mox: Expr, *, title: str = 'yax',
+            max_text: int | None = None) -> dict:
+  """The data the page embeds (see the module docstring); each node's
+  Jaxpr text is cut at ``max_text`` characters when given."""
   buf = io.StringIO()
   dump_xml(mox, buf, indent=None)
   nodes = _nodes(mox)
@@ -94,7 +108,7 @@ def payload(mox: Expr, *, title: str = 'yax') -> dict:
     else:
       count = 0
     params.append(count)
-    texts.append(str(node))
+    texts.append(_bounded(str(node), max_text))
   flops = _flops_per_node(nodes)
   n_params, n_bytes = _summary.total_params(mox)
   return {
@@ -169,7 +183,8 @@ def _fill(template: str, values: dict[str, str]) -> str:
   return _MARKER.sub(lambda m: values[m.group(1)], template)
 
 
-def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
+def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True,
+                max_text: int | None = None) -> str:
   """Returns the viewer page for ``mox`` as a string (see the module doc).
 
   **Arguments:**
@@ -178,8 +193,18 @@ def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
   - ``compress``: gzip + base64 the embedded data (needs a browser with
     ``DecompressionStream``: Chrome 80, Firefox 113, Safari 16.4 or newer);
     ``False`` embeds plain JSON.
+  - ``max_text``: cut each node's Jaxpr text (the details panel) at this
+    many characters, with a note saying how much was left out. An
+    enclosing call's text holds every text below it, so on a deep model
+    these texts are most of the page; ``None`` keeps them whole.
+
+  **Returns:** the page, one self-contained HTML document.
+
+  Example::
+
+      page = yax.render_html(mox, title='bert', max_text=4000)
   """
-  data = payload(mox, title=title)
+  data = payload(mox, title=title, max_text=max_text)
   if compress:
     raw = json.dumps(data, separators=(',', ':')).encode()
     blob = base64.b64encode(gzip.compress(raw, 9, mtime=0)).decode('ascii')
@@ -193,10 +218,63 @@ def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True) -> str:
       'JS': viewer_file('viewer.js'), 'DATA': data_tag})
 
 
+# A notebook cell shows the viewer in an iframe of this height (pixels),
+# each node's Jaxpr text cut at this many characters.
+NOTEBOOK_HEIGHT = 520
+NOTEBOOK_MAX_TEXT = 4000
+
+
+def notebook_html(mox: Expr, *, title: str = 'yax',
+                  max_text: int | None = NOTEBOOK_MAX_TEXT,
+                  height: int = NOTEBOOK_HEIGHT) -> str:
+  """The viewer as a notebook shows it (``Mox._repr_html_``): the page in
+  an ``<iframe srcdoc=...>`` (its script and style stay inside the frame),
+  each node's Jaxpr text cut at ``max_text`` characters, so the cell stays
+  small for big models (the viewer itself builds rows only as they are
+  expanded).
+
+  **Arguments:**
+  - ``mox``: the tree.
+  - ``title``: the page title.
+  - ``max_text``: see :func:`render_html`.
+  - ``height``: the frame's height in pixels.
+
+  **Returns:** an HTML fragment.
+
+  Example::
+
+      from IPython.display import HTML
+      HTML(yax.notebook_html(mox, max_text=1000))
+  """
+  page = render_html(mox, title=title, max_text=max_text)
+  return (f'<iframe srcdoc="{html.escape(page, quote=True)}" '
+          f'title="{_html_text(str(title))}" '
+          f'style="width:100%;height:{int(height)}px;border:1px solid #ccc" '
+          'sandbox="allow-scripts"></iframe>')
+
+
 def write_html(mox: Expr, path, **kwargs) -> int:
-  """Writes :func:`render_html` to ``path``; returns the size in bytes."""
+  """Writes :func:`render_html` to ``path``; returns the size in bytes.
+
+  **Arguments:**
+  - ``mox``: the tree.
+  - ``path``: the file to write.
+  - ``**kwargs``: :func:`render_html`'s (``title``, ``compress``,
+    ``max_text``).
+
+  **Returns:** the number of bytes written.
+
+  Example::
+
+      yax.write_html(mox, 'model.html', title='bert')
+  """
   text = render_html(mox, **kwargs)
   data = text.encode('utf-8')
   with open(path, 'wb') as f:
     f.write(data)
   return len(data)
+
+
+# A notebook shows a Mox as the viewer: the data model (``ir/nodes.py``)
+# does not import this module.
+register_view('html', notebook_html)

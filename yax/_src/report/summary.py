@@ -850,12 +850,27 @@ def _min_table_width(columns: list[_Column], cells: list[list[str]]) -> int:
 def format_summary(mox: Mox, *, depth: int | None = None,
                    title: str | None = None, width: int | None = None,
                    xla: bool = False, dtypes: bool = False) -> str:
-  """The summary as text: a title line, the table (see
-  :func:`render_table`) and totals. ``width=None`` does not limit it.
+  """The summary as text (``yax.format_summary``): a title line, the
+  table (see :func:`render_table`) and totals.
 
   When the table does not fit ``width`` without breaking a word, columns
   are merged (path with module; then inputs with outputs and own params
   with variables); if even that does not fit, it is wider than ``width``.
+
+  **Arguments:**
+  - ``mox``: the tree.
+  - ``depth``: rows down to this many levels of module calls (``None``: all).
+  - ``title``: a first line.
+  - ``width``: the width to fit; ``None`` does not limit it.
+  - ``xla``: add XLA's compiled cost analysis of the whole model.
+  - ``dtypes``: show the compute dtype column (shown anyway after ``cast``
+    or ``quantize``).
+
+  **Returns:** the text, one line per row and total, ending in a newline.
+
+  Example::
+
+      print(yax.format_summary(mox, depth=2, width=100))
   """
   rows = summary(mox, depth=depth)
   # The compute dtype column: asked for, or where a call was cast or
@@ -915,10 +930,23 @@ def format_summary(mox: Mox, *, depth: int | None = None,
 
 
 def print_table(mox: Mox, *, file=None, width: int | None = None, **kwargs):
-  """Prints :func:`format_summary` fitted to ``width``; by default the
-  width ``shutil.get_terminal_size`` reads: ``COLUMNS`` when it is set
-  (also when the output is piped), else the terminal's when writing to
-  one. Piped output without ``COLUMNS`` is as wide as needed."""
+  """Prints :func:`format_summary` (``yax.print_summary``) fitted to
+  ``width``; by default the width ``shutil.get_terminal_size`` reads:
+  ``COLUMNS`` when it is set (also when the output is piped), else the
+  terminal's when writing to one. Piped output without ``COLUMNS`` is as
+  wide as needed.
+
+  **Arguments:**
+  - ``mox``: the tree.
+  - ``file``: where to write (default ``sys.stdout``).
+  - ``width``: the width to fit (default: see above).
+  - ``**kwargs``: :func:`format_summary`'s (``depth``, ``title``, ``xla``,
+    ``dtypes``).
+
+  Example::
+
+      yax.print_summary(mox, depth=2)
+  """
   file = file if file is not None else sys.stdout
   if width is None and (_isatty(file) or _columns_set()):
     width = shutil.get_terminal_size().columns

@@ -719,7 +719,7 @@ def _stacked_axes(node: Mox, index: int, batch: list,
           and v not in batch]
   if not batch and len(free) < 2:
     return ()
-  cls = node.module_ty
+  cls = node.rebuild_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
     return ()  # NNX: nnx.vmap stacks are traced with their own kernel
   declared = _declared_shape(node, index)
@@ -742,7 +742,7 @@ def _declared_shape(node: Mox, index: int) -> tuple | str:
   """The shape of the kernel at ``index`` that the module declares when
   it is built alone from its recorded fields and initialized at the
   call's argument shapes; a reason string when it cannot be."""
-  cls = node.module_ty
+  cls = node.rebuild_ty
   keys = var_keys(node)[index]
   fields = {f.name for f in dataclasses.fields(cls)
             if f.init and f.name not in ('parent', 'name')}

@@ -11,9 +11,11 @@ whose symbols are fresh, except where it is wired to the tree:
 * everything downstream that read the node's outputs reads the copy's.
 
 New variables and extra inputs propagate up: every enclosing module call
-lists them among its inputs (and its ``var_tree``/``in_tree``), turns
-ephemeral since its Flax class no longer describes it, and the root's
-``in_tree`` describes the argument tree ``eval_mox`` now expects.
+lists them among its inputs (and its ``var_tree``/``in_tree``) and is
+marked ``rewritten`` (it keeps its type, path and fields for every view and
+selection, but its Flax class no longer declares what it reads, so no
+rewrite rebuilds it with that class), and the root's ``in_tree`` describes
+the argument tree ``eval_mox`` now expects.
 
 Nothing is mutated: on error the original tree is intact, and on success
 unchanged subtrees are shared between the old and the new tree.
@@ -378,7 +380,7 @@ class _Substitution:
         node.in_tree, inputs[node.num_vars:], frame.new_args)
     return node.replace(inputs=var_inputs + arg_inputs, outputs=outputs,
                         children=children, var_tree=var_tree, in_tree=in_tree,
-                        module_ty=None)
+                        rewritten=not node.is_ephemeral)
 
   def _grow_vars(self, node: Mox, var_inputs, new_vars):
     """The call's variables with the new ones of its scope added."""

@@ -61,7 +61,7 @@ def _is_float(x) -> bool:
 
 
 def _rebuilt(node: Mox, dtype):
-  cls = node.module_ty
+  cls = node.rebuild_ty
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
     raise _Refused(f'internal: {node.type_name} is not a Linen module')
   fields = {f.name for f in dataclasses.fields(cls)
@@ -190,7 +190,8 @@ def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
     params['dtype'] = dtype
   call = Mox(own_in, own_out, params,
              children=[_prefixed(c, node.path) for c in children],
-             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             module_ty=node.module_ty, rewritten=node.rewritten,
+             entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(own_in, own_out, {}, children=[call],
@@ -208,7 +209,7 @@ def _first_line(e: BaseException) -> str:
 def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   """A replacement for ``node``: the module traced again at ``dtype``.
   ``read_elsewhere``: the symbols the tree reads outside ``node``."""
-  cls = node.module_ty
+  cls = node.rebuild_ty
   shown = set(node.outputs)
   updates_state = any(s in read_elsewhere and s not in shown
                       for s in defined_in(node))
@@ -283,7 +284,8 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
     params['dtype'] = dtype
   params['compute_dtype'] = dtype.name
   call = Mox(call_inputs, root.outputs, params, children=children,
-             module_ty=node.module_ty, entrypoint=node.entrypoint,
+             module_ty=node.module_ty, rewritten=node.rewritten,
+             entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(root.inputs, root.outputs, {}, children=[call],

@@ -175,7 +175,7 @@ def init_params(mox: Mox, params, *, key):
                               where, boxes))
       continue
     if id(node) not in cache:
-      cls = node.module_ty
+      cls = node.rebuild_ty
       if isinstance(cls, type) and issubclass(cls, nn.Module):
         cache[id(node)] = _linen_variables(node, folded)
       elif isinstance(cls, type) and issubclass(cls, nnx.Module):

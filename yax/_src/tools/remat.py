@@ -145,9 +145,8 @@ def _name_equation(sym: Symbol, name: str) -> tuple[Equation, Var]:
 # ---------------------------------------------------------- the new body
 
 class Remat:
-  """The type of a rematerialized call that was no longer one Flax
-  module's call (a rewrite that added variables or inputs, such as
-  ``lora`` or ``quantize``, made it ephemeral): only its path is left."""
+  """The type of a rematerialized call that has no Flax class of its own
+  (a node ``yax.group`` made): only its path is left."""
 
 
 def _name_after(node: Expr, prefix: str, names: list[str]) -> Expr:
@@ -297,8 +296,7 @@ def remat(mox: Mox, selection, *, policy=None, save=None) -> Mox:
       raise SubstitutionError(
           f'remat: the selection {chosen.description} matched '
           f'{describe(target)}; remat applies to module calls, e.g. '
-          '//module_call[@type="Block"] (or, after lora or quantize, '
-          '//module_call[@path="block0"])')
+          '//module_call[@type="Block"] or //module_call[@path="block0"]')
   saves = _save_targets(save, mox, chosen.targets)
   if saves:
     label = f'{label}+save' if policy is not None else 'save'

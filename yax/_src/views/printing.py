@@ -15,11 +15,17 @@ from jax.extend import core as jex
 from yax._src import compat as _compat
 from yax._src.ir import lower as _lower
 from yax._src.ir.lower import dynamic, jax_equation, new_jaxpr_eqn
-from yax._src.ir.nodes import Equation, Expr, Mox, register_view
+from yax._src.errors import YaxError
+from yax._src.ir.nodes import (Equation, Expr, Mox, iter_nodes,
+                               register_view)
 from yax._src.ir.text import escape_text, format_value
 
 module_call_p = jex.Primitive('module_call')
 module_call_p.multiple_results = True
+# The body of a module call printed below the depth asked for: one line
+# that says how much it holds (never bound, only printed).
+folded_p = jex.Primitive('folded')
+folded_p.multiple_results = True
 
 
 class _Body:
@@ -61,6 +67,8 @@ def _pp_module_call(eqn, context, settings):
   attrs = [(k, v) for k, v in module_attributes(mox)]
   if mox.is_ephemeral:
     attrs.insert(0, ('ephemeral', 'True'))
+  if mox.rewritten:
+    attrs.append(('rewritten', 'True'))
   skeleton = _compat.pp_jaxpr_skeleton(
       body, lambda: _compat.pp_eqns(body.eqns, context, settings),
       context, settings)
@@ -76,8 +84,13 @@ if _compat.HAVE_PRINTER:
 
 
 class _Display:
-  def __init__(self):
-    self.jv = _lower.JaxVars()
+  """Builds the display Jaxpr; module calls more than ``depth`` levels
+  below the printed node show a folded body (``None``: all)."""
+
+  def __init__(self, depth: int | None = None, level: int = 0, jv=None):
+    self.jv = _lower.JaxVars() if jv is None else jv
+    self.depth = depth
+    self.level = level
 
   def eqns(self, children) -> list:
     out = []
@@ -92,8 +105,14 @@ class _Display:
     jv = self.jv
     invars = [jv(s) for s in dynamic(mox.inputs)]
     outvars = [jv(s) for s in dynamic(mox.outputs)]
+    level = self.level + (0 if mox.is_ephemeral else 1)
+    if self.depth is not None and level > self.depth and mox.children:
+      eqns = [_folded(mox, invars, outvars)]
+    else:
+      inner = _Display(self.depth, level, jv)
+      eqns = inner.eqns(mox.children)
     body = jex.Jaxpr([], [v for v in invars if isinstance(v, jex.Var)],
-                     outvars, self.eqns(mox.children),
+                     outvars, eqns,
                      debug_info=_lower.new_debug_info('yax.print'))
     binders = [v for v in outvars if isinstance(v, jex.Var)]
     return new_jaxpr_eqn(invars, binders, module_call_p,
@@ -102,7 +121,8 @@ class _Display:
   def equation(self, eqn: Equation):
     if not eqn.children:
       return jax_equation(eqn, self.jv)
-    shown = [_Display().closed(body) for body in eqn.children]
+    shown = [_Display(self.depth, self.level).closed(body)
+             for body in eqn.children]
     shown = [s if form == _lower.CLOSED else s.jaxpr
              for s, form in zip(shown, eqn.body_forms, strict=True)]
     return jax_equation(eqn, self.jv, _lower.set_bodies(eqn, shown))
@@ -121,21 +141,65 @@ class _Display:
                   _lower.new_debug_info('yax.print')), mox.consts)
 
 
-def display_jaxpr(expr: Expr) -> jex.ClosedJaxpr:
-  """The Jaxpr that ``str(expr)`` prints (module calls as equations)."""
+def _folded(mox: Mox, invars, outvars):
+  """One ``folded`` equation standing for the body of ``mox``."""
+  below = [n for n in iter_nodes(mox) if n is not mox]
+  calls = sum(1 for n in below if isinstance(n, Mox) and not n.is_ephemeral)
+  equations = sum(1 for n in below if isinstance(n, Equation))
+  ins = [v for v in invars if isinstance(v, jex.Var)]
+  binders = [v for v in dict.fromkeys(outvars)
+             if isinstance(v, jex.Var) and v not in ins]
+  return new_jaxpr_eqn(ins, binders, folded_p,
+                       {'module_calls': calls, 'equations': equations},
+                       frozenset())
+
+
+def display_jaxpr(expr: Expr, depth: int | None = None) -> jex.ClosedJaxpr:
+  """The Jaxpr that ``str(expr)`` prints (module calls as equations);
+  module calls more than ``depth`` levels down show folded bodies."""
+  display = _Display(depth)
   if isinstance(expr, Equation):
     wrapper = Mox(expr.inputs, expr.outputs, children=[expr])
-    return _Display().closed(wrapper)
+    return display.closed(wrapper)
   if not expr.is_ephemeral:
     # A module call on its own prints as a function of its inputs.
-    return _Display().closed(Mox(expr.inputs, expr.outputs, children=[expr]))
-  return _Display().closed(expr)
+    return display.closed(Mox(expr.inputs, expr.outputs, children=[expr]))
+  return display.closed(expr)
 
 
 def pp_expr(expr: Expr) -> str:
   if not _compat.HAVE_PRINTER:  # pragma: no cover - depends on JAX version
     return repr(expr)
   return str(display_jaxpr(expr))
+
+
+def pformat(expr: Expr, *, depth: int | None = None) -> str:
+  """The text ``print(expr)`` shows, module calls folded below ``depth``.
+
+  **Arguments:**
+  - ``expr``: a tree, a module call or an equation.
+  - ``depth``: how many levels of module calls show their bodies (the
+    node itself is level 1 when it is a module call). A call further down
+    still shows its header (type, name, path, fields), but its body is one
+    line, ``folded[equations=.. module_calls=..]``, with the same inputs
+    and outputs. ``None`` shows everything, as ``str`` does.
+
+  **Returns:** the text.
+
+  Example::
+
+      print(yax.pformat(mox, depth=2))   # the model and its direct children
+  """
+  if depth is not None and (not isinstance(depth, int) or
+                            isinstance(depth, bool) or depth < 0):
+    raise YaxError(f'pformat: depth must be an int >= 0 or None, found '
+                   f'{depth!r}')
+  if not isinstance(expr, Expr):
+    raise YaxError(f'pformat expects a Mox or an Equation, found '
+                   f'{type(expr).__name__}')
+  if not _compat.HAVE_PRINTER:  # pragma: no cover - depends on JAX version
+    return repr(expr)
+  return str(display_jaxpr(expr, depth))
 
 
 # str(expr): the data model (``ir/nodes.py``) does not import this module.

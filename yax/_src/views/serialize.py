@@ -56,7 +56,7 @@ __all__ = ['dump_xml', 'dump_yson', 'to_dict', 'to_json', 'xml_view']
 # with these names are written with a leading underscore (``_type``).
 _MOX_RESERVED = frozenset(
     ('primitive', 'type', 'fqn', 'name', 'path', 'method', 'ephemeral',
-     'param'))
+     'rewritten', 'param'))
 _EQN_RESERVED = frozenset(('primitive', 'jax_primitive'))
 # Element names YAX uses for its own elements; a primitive with such a name
 # is written as ``_input`` etc.
@@ -244,6 +244,8 @@ def _mox_attrs(mox: Mox) -> dict[str, str]:
   _add_params(attrs, ((k, v) for k, v in mox.params.items() if k != 'name'),
               _MOX_RESERVED)
   attrs['ephemeral'] = 'true' if mox.is_ephemeral else 'false'
+  if mox.rewritten:  # a rewrite added variables or arguments to the call
+    attrs['rewritten'] = 'true'
   return attrs
 
 
