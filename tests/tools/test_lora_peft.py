@@ -308,7 +308,7 @@ def test_params_mismatch_names_the_first_differing_path(mlp):
 def gpt2():
   from transformers import FlaxGPT2LMHeadModel, GPT2Config
   model = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16,
-                                         n_embd=16, n_layer=2, n_head=2),
+                                         n_embd=16, n_layer=1, n_head=2),
                               seed=0)
   ids = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
   return model, ids, yax.make_mox(model)(ids, params=model.params)
@@ -324,8 +324,7 @@ def test_default_selection_adapts_gpt2_linear_layers(gpt2):
   model, ids, mox = gpt2
   res = yax.lora(mox, model.params, rank=2, dora=True)
   yax.check_mox(res.mox)
-  assert res.paths == [('transformer', 'h', str(i), block, name)
-                       for i in range(2)
+  assert res.paths == [('transformer', 'h', '0', block, name)
                        for block, name in (('attn', 'c_attn'),
                                            ('attn', 'c_proj'),
                                            ('mlp', 'c_fc'), ('mlp', 'c_proj'))]
@@ -353,5 +352,5 @@ def test_refusals_suggest_xpaths_that_select_something(gpt2):
   with pytest.raises(yax.SubstitutionError) as e:
     yax.lora(mox, model.params, mixed)
   (fixed,) = suggested_xpaths(str(e.value))
-  assert len(yax.query(fixed, mox)) == 8
-  assert len(yax.lora(mox, model.params, fixed, rank=2).paths) == 8
+  assert len(yax.query(fixed, mox)) == 4
+  assert len(yax.lora(mox, model.params, fixed, rank=2).paths) == 4

@@ -339,3 +339,202 @@ def test_remat_after_lora_quantize_and_fewbit(stack_mox):
   # Activations (the [4, 6, ...] values) kept: the two block inputs only.
   acts = lambda f: [t for t in saved_residuals(f, X) if t.startswith('f32[4,6,')]
   assert len(acts(f_lean)) < len(acts(f_ref))
+
+
+# ------------------------------------------------- state and host values
+
+class BNBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.BatchNorm(use_running_average=False, name='bn')(
+        nn.Dense(8, name='fc')(x))
+    return x + jnp.tanh(h)
+
+
+class BNNet(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(BNBlock) if self.remat else BNBlock
+    return nn.Dense(3)(block(name='block')(x))
+
+
+def test_remat_of_a_call_that_updates_batch_stats_equals_nn_remat():
+  """A BatchNorm's new statistics are computed in the call's body and
+  read by the root (mutable=['batch_stats']) without being outputs of the
+  call. Failed before: check_mox 'reads output 1 ... before it is
+  defined', and eval_mox raised a raw KeyError."""
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  v = BNNet().init(jax.random.key(0), x)
+  apply = lambda remat: lambda v, x: BNNet(remat=remat).apply(
+      v, x, mutable=['batch_stats'])
+  mox = yax.make_mox(apply(False))(v, x)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="BNBlock"]'))
+  assert_trees_close(yax.eval_mox(new, v, x), apply(True)(v, x))
+  loss = lambda f: lambda p: jnp.sum(jnp.cos(f({**v, 'params': p}, x)[0]))
+  mine = loss(lambda *a: yax.eval_mox(new, *a))
+  theirs = loss(apply(True))
+  assert_trees_close(jax.grad(mine)(v['params']),
+                     jax.grad(theirs)(v['params']), rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v['params']) == saved_residuals(
+      theirs, v['params'])
+
+
+class NStateBlock(nnx.Module):
+  """Updates state: BatchNorm statistics and the Dropout RNG count."""
+
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(8, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(self.bn(self.fc(x)))
+
+
+class NStateNet(nnx.Module):
+  def __init__(self, rngs, remat=False):
+    self.block = NStateBlock(rngs)
+    self.remat = remat
+
+  def __call__(self, x):
+    if self.remat:
+      return nnx.remat(lambda b, x: b(x))(self.block, x)
+    return self.block(x)
+
+
+def _key_data(tree):
+  """Typed PRNG keys as their data (assert_trees_close compares arrays)."""
+  return jax.tree.map(
+      lambda a: jax.random.key_data(a)
+      if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
+
+
+@pytest.mark.parametrize('form', ['module', 'split'])
+def test_remat_of_an_nnx_call_that_updates_state_equals_nnx_remat(form):
+  """NNX BatchNorm statistics and Dropout RNG counts, in the module and
+  the split form. Failed before as with Linen (check_mox, raw KeyError)."""
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  model = NStateNet(nnx.Rngs(0, dropout=1))
+  ref = NStateNet(nnx.Rngs(0, dropout=1), remat=True)
+  if form == 'module':
+    mox = yax.make_mox(lambda m, x: m(x))(nnx.clone(model), x)
+    new = check_rewrite(yax.remat(mox, '//module_call[@type="NStateBlock"]'))
+    got_model = nnx.clone(model)
+    got = yax.eval_mox(new, got_model, x)
+    want = ref(x)
+    assert_trees_close(got, want)
+    assert_trees_close(_key_data(nnx.state(got_model)),
+                       _key_data(nnx.state(ref)))
+    return
+  graphdef, state = nnx.split(model)
+  ref_def, _ = nnx.split(ref)
+
+  def run(graphdef):
+    def fn(state, x):
+      m = nnx.merge(graphdef, state)
+      return m(x), nnx.state(m)
+    return fn
+
+  mox = yax.make_mox(run(graphdef))(state, x)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="NStateBlock"]'))
+  assert_trees_close(_key_data(yax.eval_mox(new, state, x)),
+                     _key_data(run(ref_def)(state, x)))
+  loss = lambda f: lambda s: jnp.sum(jnp.cos(f(s, x)[0]))
+  floats = lambda g: [a for a in jax.tree.leaves(g)
+                      if a.dtype != jax.dtypes.float0]
+  grad = lambda f: floats(jax.grad(loss(f), allow_int=True)(state))
+  got, want = grad(lambda *a: yax.eval_mox(new, *a)), grad(run(ref_def))
+  assert len(got) == len(want) == 6  # fc, bn scale/bias, bn mean/var
+  assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class HostBlock(nn.Module):
+  """Reads a NumPy constant it builds and host values it is given."""
+
+  @nn.compact
+  def __call__(self, x, scale, shift):
+    c = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+    return jnp.tanh(nn.Dense(8)(x) * c * scale + shift)
+
+
+class HostNet(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(HostBlock) if self.remat else HostBlock
+    x = block(name='b0')(x, 0.5, np.float32(0.25))
+    return block(name='b1')(x, np.full(8, 2.0, np.float32), 1.0)
+
+
+def test_remat_of_a_call_reading_numpy_and_host_values_equals_nn_remat():
+  """Failed before: 'reads a value of type f32[8] that is neither an input
+  of the call nor computed in it'; nn.remat runs the same module."""
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  v = HostNet().init(jax.random.key(0), x)
+  mox = yax.make_mox(HostNet().apply)(v, x)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="HostBlock"]'))
+  assert len(mox.inputs) == len(new.inputs)
+  assert_same_training(new, HostNet(remat=True).apply, v, x)
+
+
+@pytest.mark.parametrize('factory', [
+    'save_only_these_names', 'save_any_names_but_these',
+    'save_from_both_policies',
+    jax.checkpoint_policies.save_only_these_names])
+def test_policy_factories_are_refused_up_front(stack_mox, factory):
+  """A factory makes a policy from arguments. Failed before: accepted,
+  then evaluation raised a wrapped TypeError."""
+  with pytest.raises(yax.SubstitutionError, match='makes a policy from its'):
+    yax.remat(stack_mox, '//module_call[@type="Block"]', policy=factory)
+  # Called, it is a policy (as nn.remat takes it).
+  policy = jax.checkpoint_policies.save_only_these_names('h')
+  new = check_rewrite(yax.remat(stack_mox, '//module_call[@type="Block"]',
+                                policy=policy))
+  assert_trees_close(yax.eval_mox(new, VARS, X), STACK.apply(VARS, X))
+
+
+def test_a_policy_object_shows_the_spec_name(stack_mox):
+  """JAX keeps checkpoint_dots as an alias of dots_saveable; XML showed
+  the alias for the object before."""
+  for policy in (jax.checkpoint_policies.dots_saveable,
+                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
+    new = yax.remat(stack_mox, '//module_call[@type="Block"]', policy=policy)
+    assert xml(new).count(f'remat="{policy.__name__}"') == 2
+  assert jax.checkpoint_policies.dots_saveable.__name__ == 'dots_saveable'
+
+
+class DropBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.5, deterministic=False)(nn.Dense(8)(x))
+
+
+class DropNet(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(DropBlock) if self.remat else DropBlock
+    return nn.Dense(3)(block(name='block')(x))
+
+
+def test_remat_of_a_block_drawing_a_dropout_key_equals_nn_remat():
+  """rngs={'dropout': key}. Failed before: 'reads a value of type
+  key<fry>[] that is neither an input of the call nor computed in it'."""
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  v = DropNet().init(jax.random.key(0), x)
+  k = jax.random.key(5)
+  apply = lambda remat: lambda v, x: DropNet(remat=remat).apply(
+      v, x, rngs={'dropout': k})
+  mox = yax.make_mox(lambda v, x, k: DropNet().apply(
+      v, x, rngs={'dropout': k}))(v, x, k)
+  new = check_rewrite(yax.remat(mox, '//module_call[@type="DropBlock"]'))
+  mine = loss_of(lambda v, x: yax.eval_mox(new, v, x, k))
+  theirs = loss_of(apply(True))
+  assert_trees_close(yax.eval_mox(new, v, x, k), apply(True)(v, x))
+  assert_trees_close(jax.grad(mine)(v, x), jax.grad(theirs)(v, x),
+                     rtol=1e-5, atol=1e-6)
+  assert saved_residuals(mine, v, x) == saved_residuals(theirs, v, x)

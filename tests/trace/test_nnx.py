@@ -1008,3 +1008,38 @@ def test_lora_refuses_the_module_form_next_to_a_picky_argument():
                              model(x), rtol=1e-6)
   with pytest.raises(yax.SubstitutionError, match='needs the split form'):
     yax.lora(mox, nnx.state(model), '//module_call[@type="Linear"]', rank=1)
+
+
+class _JitMethodNet(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(4, 4, rngs=rngs)
+    self.b = nnx.Linear(4, 3, rngs=rngs)
+
+  @nnx.jit
+  def first(self, x):
+    return self.a(x)
+
+  def __call__(self, x):
+    return self.b(self.first(x))
+
+
+def test_variables_passed_back_out_of_an_nnx_jit_method_stay_params():
+  """An nnx.jit method gives back every Variable of its module; the later
+  Linear's kernel is the parameter, not a value the jit computed. Failed
+  before: the summary counted 50 params for a model of 35, and lora
+  refused Linear 'b' (its kernel 'computed in the model')."""
+  model = _JitMethodNet(nnx.Rngs(0))
+  x = jnp.ones((2, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  n = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert n == 35
+  assert yax.summary(mox)[0].params == n
+  np.testing.assert_allclose(yax.eval_mox(mox, state, x), model(x),
+                             rtol=1e-6)
+  res = yax.lora(mox, state, '//module_call[@type="Linear"]', rank=1)
+  yax.check_mox(res.mox)
+  assert len(res.paths) == 2
+  np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), model(x),
+                             rtol=1e-6)

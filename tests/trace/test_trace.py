@@ -657,3 +657,40 @@ def test_scan_with_params_stacked_on_axis_1_traces_checks_and_takes_lora(
                              rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(model.apply(res.merge(trained), x), expected,
                              rtol=2e-5, atol=2e-5)
+
+
+class _DropBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dropout(0.5, deterministic=False)(nn.Dense(4)(x))
+
+
+class _DropNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(_DropBlock(name='b1')(_DropBlock(name='b0')(x)))
+
+
+@pytest.mark.parametrize('make_key', [jax.random.key, jax.random.PRNGKey])
+def test_a_dropout_key_given_as_rngs_is_an_input_of_the_calls_drawing_it(
+    make_key):
+  """apply(..., rngs={'dropout': key}): each Dropout call draws from the
+  key, so the key is an input of the Dropout calls and of the calls
+  around them (collection 'rngs'); the Dense calls do not read it.
+  Failed before: check_mox 'reads input 0 Var(key<fry>[]), an argument of
+  the traced function, inside module_call Dropout ... which does not list
+  it'."""
+  x = jnp.arange(12.0).reshape(3, 4)
+  v = _DropNet().init(jax.random.key(0), x)
+  f = lambda v, x, k: _DropNet().apply(v, x, rngs={'dropout': k})
+  k = make_key(1)
+  mox = yax.make_mox(f)(v, x, k)
+  yax.check_mox(mox)
+  np.testing.assert_array_equal(yax.eval_mox(mox, v, x, k), f(v, x, k))
+  key_sym, = mox.inputs[-1:]
+  readers = {m.path for m in modules(mox) if key_sym in m.inputs}
+  assert readers == {(), ('b0',), ('b0', 'Dropout_0'), ('b1',),
+                     ('b1', 'Dropout_0')}
+  (drop,) = [m for m in modules(mox) if m.path == ('b0', 'Dropout_0')]
+  assert drop.var_tree == jax.tree_util.tree_structure(
+      {'rngs': {'dropout': 0}})

@@ -172,6 +172,27 @@ def scan_params_with_inputs(params, new_consts: int, new_xs: int) -> dict:
       (xs, _flattree.nones(new_xs)))))
 
 
+def linen_rng_draws(scope) -> dict[str, int]:
+  """How many keys a bound Linen module's scope has drawn so far from each
+  RNG stream (its ``make_rng`` calls), by stream name.
+
+  Why: a module call that draws a key reads the key passed to ``apply``
+  (``rngs={'dropout': key}``), so that key is an input of the call; only
+  the scope's counters tell which streams a call drew from.
+  ``Scope.rng_counters`` (``flax.core.scope``) maps a stream to its count
+  (a lifted transform keeps dicts of counters there too: left out)."""
+  counters = getattr(scope, 'rng_counters', None) or {}
+  return {k: v for k, v in counters.items() if isinstance(v, int)}
+
+
+def linen_rng_key(scope, name: str):
+  """The key behind RNG stream ``name`` of a bound Linen module's scope
+  (what ``apply`` was given), or None. Why: ``Scope.rngs`` holds it in a
+  ``LazyRng`` (``flax.core.scope``), whose ``rng`` is that key."""
+  lazy = (getattr(scope, 'rngs', None) or {}).get(name)
+  return getattr(lazy, 'rng', None)
+
+
 def linen_variable_names(scope) -> list[tuple[str, str]]:
   """``(collection, name)`` of every variable a bound Linen module's scope
   has reserved so far (``self.param``/``self.variable`` calls), submodule

@@ -32,6 +32,17 @@ class PatternError(YaxError, ValueError):
   """A pattern cannot be used for matching (see ``yax.match``)."""
 
 
+class AdapterFileError(YaxError, ValueError):
+  """A file of LoRA adapters cannot be written, or does not fit the model it
+  is loaded onto (``LoraResult.save``, ``yax.load_lora``); the message names
+  the params path and what the file and the model hold there."""
+
+
+class NotPicklableError(YaxError, TypeError):
+  """``pickle.dumps`` (or ``copy.deepcopy``) of a tree node: its equations
+  hold JAX objects that JAX does not serialize."""
+
+
 class TraceWarning(UserWarning):
   """A module call was seen while tracing but could not be recorded as a
   ``module_call`` node (it ended in an exception the model caught, or it

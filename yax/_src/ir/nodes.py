@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
-from yax._src.errors import YaxError
+from yax._src.errors import NotPicklableError, YaxError
 
 
 class Symbol:
@@ -125,6 +125,23 @@ class Expr:
   def __str__(self):
     text = VIEWS.get('text')
     return text(self) if text is not None else repr(self)
+
+  def __copy__(self):
+    return self.replace()
+
+  def __reduce_ex__(self, protocol):
+    # pickle and copy.deepcopy come here (copy.copy uses __copy__). The
+    # equations hold JAX primitives, parameters JAX does not pickle (jaxprs
+    # with source tracebacks, functions) and tracebacks: a tree cannot be
+    # pickled, so say so, and what keeps a rewritten model instead.
+    raise NotPicklableError(
+        f'a {type(self).__name__} cannot be pickled or deep-copied: its '
+        'equations hold JAX primitives, source tracebacks and parameters '
+        '(jaxprs, functions) that JAX does not serialize. Keep what the '
+        'tree is made from instead: trace the model again and re-run the '
+        'rewrite (LoRA adapters: res.save(path), then yax.load_lora(mox, '
+        'params, path) on the fresh trace), or serialize the computation '
+        'with jax.export')
 
 
 _SLOTS: dict = {}

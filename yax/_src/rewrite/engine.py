@@ -35,7 +35,7 @@ from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
 from yax._src.ir.containers import set_in
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
-                               iter_nodes)
+                               iter_nodes, leaf_equations)
 from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name,
                                    leaf_keypaths, location, unboxed_path,
                                    var_entries, var_keys, var_kind,
@@ -651,8 +651,15 @@ class _Substitution:
         wiring[sym] = fresh
         extra_args.append(fresh)
 
-    copied = _Copier(wiring, node, _where(node, self.enclosing_path())).copy(
-        template)
+    if isinstance(node, Mox) and isinstance(template, Mox):
+      # A module call is no scope: its body may read values of the
+      # enclosing body (a constant of the tree, a PRNG key of the traced
+      # arguments, an array the caller computed). A template that reads
+      # the same values reads them where the node did.
+      for sym in reads_from_enclosing(node):
+        wiring.setdefault(sym, self.rename(sym))
+    copier = _Copier(wiring, node, _where(node, self.enclosing_path()))
+    copied = copier.copy(template)
     old_outs = [s for s in node.outputs if not (isinstance(s, Literal) and
                                                  s.is_static)]
     new_outs = [s for s in copied.outputs if not (isinstance(s, Literal) and
@@ -674,6 +681,15 @@ class _Substitution:
     # Only now, when nothing can fail any more, record what the copy needs.
     for old, new in zip(old_outs, new_outs, strict=True):
       self.ren[old] = new
+    if isinstance(node, Mox):
+      # A value the node computes and the tree reads elsewhere without it
+      # being an output (a Linen BatchNorm's new statistics under
+      # ``mutable``, read by the root): where the template defines that
+      # same symbol, its copy is what the readers read now.
+      for old in defined_in(node):
+        new = copier.map.get(old)
+        if new is not None and old not in wiring:
+          self.ren.setdefault(old, new)
     for old, new in retyped:
       self.ren[old] = new
     home.new_consts.extend(new_consts)
@@ -1142,6 +1158,43 @@ class Rewrite:
   added: dict
   collections: dict
   retyped: dict = dataclasses.field(default_factory=dict)
+
+
+def defined_in(node: Mox) -> list[Symbol]:
+  """The symbols the equations of ``node``'s body define (its module
+  calls' bodies included; not those inside bodies held by equations)."""
+  return [s for eqn in leaf_equations(node) for s in eqn.outputs]
+
+
+def reads_from_enclosing(node: Mox) -> list[Symbol]:
+  """The symbols ``node``'s body reads that are neither its inputs nor
+  computed in it, each once, in order."""
+  defined = set(node.inputs)
+  found: dict[Symbol, None] = {}
+  for eqn in leaf_equations(node):
+    for sym in eqn.inputs:
+      if not isinstance(sym, Literal) and sym not in defined:
+        found[sym] = None
+    defined.update(eqn.outputs)
+  return list(found)
+
+
+def read_outside(mox: Mox, node: Mox) -> set[Symbol]:
+  """The symbols that ``mox`` reads outside ``node``'s subtree, its
+  outputs included. A value ``node`` computes that is read there without
+  being one of its outputs is state the call updates (a Linen BatchNorm's
+  new statistics under ``mutable``, an NNX Variable's new value): a
+  rewrite that moves the body keeps defining it."""
+  found = {s for s in mox.outputs if not isinstance(s, Literal)}
+  stack = [mox]
+  while stack:
+    current = stack.pop()
+    for child in current.children:
+      if child is node:
+        continue
+      found.update(s for s in child.inputs if not isinstance(s, Literal))
+      stack.append(child)
+  return found
 
 
 def read_symbols(root: Mox) -> set:

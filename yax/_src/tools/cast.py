@@ -30,9 +30,11 @@ from jax.extend import core as jex
 
 from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir import lower as _lower
-from yax._src.ir.nodes import Equation, Literal, Mox
-from yax._src.rewrite.engine import (describe, leave_out_hint, read_symbols,
-                                     select, substitute)
+from yax._src.ir.nodes import Equation, Literal, Mox, Var
+from yax._src.rewrite.engine import (defined_in, describe, inline,
+                                     leave_out_hint, non_literals,
+                                     read_outside, read_symbols,
+                                     reads_from_enclosing, select, substitute)
 from yax._src.trace import eval as _eval
 from yax._src.trace.make import make_mox
 
@@ -139,19 +141,31 @@ class _Promoting(_eval.Interpreter):
       self.write(sym, value)
 
 
-def _replayed(node: Mox, dtype, output=None) -> Mox:
+def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
+              ) -> Mox:
   """A replacement for a call that cannot be rebuilt (an NNX module): its
   traced body run again on inputs and variables cast to ``dtype``, every
   equation at the dtype promotion gives it (an explicit cast in the body
-  keeps its dtype); outputs cast back."""
+  keeps its dtype); outputs cast back.
+
+  What the body reads from the enclosing body (a constant, a PRNG key)
+  and the values it computes that the tree reads elsewhere
+  (``read_elsewhere``: state the call updates) keep their symbols, so the
+  replacement reads and defines them where the call did."""
+  outside = reads_from_enclosing(node)
+  shown = set(node.outputs)
+  escaping = [s for s in defined_in(node)
+              if s in read_elsewhere and s not in shown]
+  full = node.replace(inputs=[*node.inputs, *outside],
+                      outputs=[*node.outputs, *escaping])
   spec = lambda s: jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
   values = [s.value if isinstance(s, Literal) else spec(s)
-            for s in node.inputs]
-  traced_out = _out_dtypes(node, output)
+            for s in full.inputs]
+  traced_out = _out_dtypes(node, output) + [s.aval.dtype for s in escaping]
 
   def run(values):
     low = [v.astype(dtype) if _is_float(v) else v for v in values]
-    outs = _Promoting().run(node, [], low)
+    outs = _Promoting().run(full, [], low)
     return [o.astype(t) if _is_float(o) and t else o
             for o, t in zip(outs, traced_out, strict=True)]
 
@@ -159,25 +173,51 @@ def _replayed(node: Mox, dtype, output=None) -> Mox:
     root = make_mox(run)(values)
   except Exception as e:  # noqa: BLE001 - reported with the module's name
     raise _Refused(f'running its body again at {dtype.name} raised '
-                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
-        from None
+                   f'{_first_line(e)}') from None
+  # The copy reads the enclosing values and defines the escaping ones as
+  # the same symbols as the call did.
+  n_in, n_out = len(root.inputs) - len(outside), len(node.outputs)
+  own_in = root.inputs[:n_in]
+  own_out = [Var(s.aval) if not isinstance(s, Literal) else s
+             for s in root.outputs[:n_out]]
+  if outside or escaping:
+    children = inline(root, [*non_literals(own_in), *outside],
+                      [*own_out, *escaping])
+  else:
+    children, own_out = root.children, root.outputs
   params = {**node.params, 'compute_dtype': dtype.name}
   if 'dtype' in params:
     params['dtype'] = dtype
-  call = Mox(root.inputs, root.outputs, params,
-             children=[_prefixed(c, node.path) for c in root.children],
+  call = Mox(own_in, own_out, params,
+             children=[_prefixed(c, node.path) for c in children],
              module_ty=node.module_ty, entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
-  return Mox(root.inputs, root.outputs, {}, children=[call],
+  return Mox(own_in, own_out, {}, children=[call],
              constvars=root.constvars, consts=root.consts)
 
 
-def _recast(node: Mox, dtype, output) -> Mox:
-  """A replacement for ``node``: the module traced again at ``dtype``."""
+def _first_line(e: BaseException) -> str:
+  """``Type: first line of the message`` (or just the type when the
+  exception has no message, as a bare ``assert``)."""
+  lines = str(e).splitlines()
+  return f'{type(e).__name__}: {lines[0][:200]}' if lines else \
+      type(e).__name__
+
+
+def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
+  """A replacement for ``node``: the module traced again at ``dtype``.
+  ``read_elsewhere``: the symbols the tree reads outside ``node``."""
   cls = node.module_ty
-  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-    return _replayed(node, dtype, output)
+  shown = set(node.outputs)
+  updates_state = any(s in read_elsewhere and s not in shown
+                      for s in defined_in(node))
+  if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or \
+      updates_state:
+    # An NNX module; or a call that updates state the tree reads (a
+    # BatchNorm's statistics under ``mutable``), which an ``apply`` of
+    # the rebuilt module would not give back: its body is run again.
+    return _replayed(node, dtype, output, read_elsewhere)
   module, has_dtype = _rebuilt(node, dtype)
   method = getattr(type(module), node.entrypoint or '__call__', None)
   if not callable(method):
@@ -186,41 +226,52 @@ def _recast(node: Mox, dtype, output) -> Mox:
   variables = (jtu.tree_unflatten(node.var_tree,
                                   [spec(s) for s in node.var_inputs])
                if node.num_vars else {})
-  leaves = [s.value if isinstance(s, Literal) else spec(s)
-            for s in node.arg_inputs]
-  args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
+  # Only the traced arguments are arguments of the new trace: a Python
+  # number or a NumPy array the call received stays the value it was (as
+  # under plain Flax), closed over, not a new input of the tree.
+  dyn_args = [spec(s) for s in node.arg_inputs if not isinstance(s, Literal)]
   traced_out = _out_dtypes(node, output)
 
   def low(x):
     return x.astype(dtype) if _is_float(x) else x
 
-  def run(variables, args, kwargs):
-    out = module.apply(jtu.tree_map(low, variables), *jtu.tree_map(low, args),
-                       method=method, **jtu.tree_map(low, kwargs))
+  def run(variables, dyn_args):
+    given = iter(dyn_args)
+    leaves = [s.value if isinstance(s, Literal) else next(given)
+              for s in node.arg_inputs]
+    args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
+    out = module.apply(jtu.tree_map(low, variables),
+                       *[low(a) if not _is_host(a) else a for a in args],
+                       method=method,
+                       **{k: low(v) if not _is_host(v) else v
+                          for k, v in kwargs.items()})
     out_leaves, tree = jtu.tree_flatten(out)
     back = [x.astype(traced) if _is_float(x) and traced else x
             for x, traced in zip(out_leaves, traced_out, strict=True)]
     return jtu.tree_unflatten(tree, back)
 
   try:
-    root = make_mox(run)(variables, args, kwargs)
+    root = make_mox(run)(variables, dyn_args)
   except Exception as e:  # noqa: BLE001 - reported with the module's name
     # A call traced under a batching transform (nn.vmap) holds its
     # variables and inputs stacked, which the module's own code does not
     # take: its traced (batched) body is run again instead.
     try:
-      return _replayed(node, dtype, output)
+      return _replayed(node, dtype, output, read_elsewhere)
     except _Refused:
       pass
     raise _Refused(f'tracing it again at {dtype.name} raised '
-                   f'{type(e).__name__}: {str(e).splitlines()[0][:200]}') \
-        from None
-  if len(root.inputs) != len(node.inputs) or \
-      len(root.outputs) != len(node.outputs):
+                   f'{_first_line(e)}') from None
+  n_dyn = node.num_vars + len(dyn_args)
+  if len(root.inputs) != n_dyn or len(root.outputs) != len(node.outputs):
     raise _Refused(
         f'traced again at {dtype.name} it takes {len(root.inputs)} inputs and '
         f'returns {len(root.outputs)} values, where the traced call had '
-        f'{len(node.inputs)} and {len(node.outputs)}')
+        f'{n_dyn} traced inputs and {len(node.outputs)} outputs')
+  # The call's inputs as the node has them: its static arguments in place.
+  given = iter(root.inputs[node.num_vars:])
+  call_inputs = root.inputs[:node.num_vars] + [
+      s if isinstance(s, Literal) else next(given) for s in node.arg_inputs]
   children = []
   for child in root.children:  # the apply's own module call is dissolved
     if isinstance(child, Mox) and not child.is_ephemeral and not child.path:
@@ -231,13 +282,20 @@ def _recast(node: Mox, dtype, output) -> Mox:
   if has_dtype:
     params['dtype'] = dtype
   params['compute_dtype'] = dtype.name
-  call = Mox(root.inputs, root.outputs, params, children=children,
+  call = Mox(call_inputs, root.outputs, params, children=children,
              module_ty=node.module_ty, entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(root.inputs, root.outputs, {}, children=[call],
              in_tree=root.in_tree, out_tree=root.out_tree,
              constvars=root.constvars, consts=root.consts)
+
+
+def _is_host(x) -> bool:
+  """A value a module call receives as it is (a NumPy array or scalar, a
+  Python number): it keeps its dtype, as under plain Flax."""
+  return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct,
+                            jax.core.Tracer))
 
 
 def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
@@ -281,7 +339,8 @@ def cast(mox: Mox, selection, compute='bfloat16', *, output=None) -> Mox:
     if any(node is n for n, _ in problems):
       continue
     try:
-      templates[id(node)] = _recast(node, dtype, output)
+      templates[id(node)] = _recast(node, dtype, output,
+                                    read_outside(mox, node))
     except _Refused as why:
       problems.append((node, str(why)))
   if problems:

@@ -81,8 +81,10 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      describe,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_kernel
+from yax._src.rewrite.recipe import recorded
 from yax._src.trace import nnx as _nnx
 from yax._src.trace.make import make_mox
+from yax._src.tools import lora_files as _files
 from yax._src.version import __version__
 
 
@@ -165,6 +167,7 @@ class LoraResult:
     unmerge: ``unmerge(merged, trained)`` undoes ``merge``: params for
       ``mox`` whose kernels are ``merged``'s with ``trained``'s adapters
       taken out again.
+    recipe: this call recorded, to replay it on a new trace (``yax.keep``).
   """
   mox: Mox
   params: Any
@@ -174,6 +177,33 @@ class LoraResult:
   config: dict = dataclasses.field(default_factory=dict)
   train_mox: Mox | None = None
   unmerge: Callable[[Any, Any], Any] | None = None
+  recipe: Any = None
+
+  def save(self, path, params=None, *, format: str = 'safetensors') -> None:
+    """Saves the adapters (the leaves ``.mask`` marks) and what made them.
+
+    **Arguments:**
+    - ``path``: a file (``format='safetensors'``: one file, every adapter
+      gathered to this host) or a new directory (``format='orbax'``:
+      ``orbax-checkpoint``, each process writes its own shards).
+    - ``params``: the params to take the adapters from (the trained ones),
+      with ``.params``' structure; ``.params`` if omitted.
+    - ``format``: ``'safetensors'`` or ``'orbax'``.
+
+    Keys are the params paths joined with ``'/'``; the file's metadata
+    records the ``lora`` arguments, the adapted paths, the YAX version, the
+    adapters' dtypes and the types of the other params (the model they fit).
+    ``yax.load_lora`` reads either format. Raises ``yax.AdapterFileError``
+    (writing nothing) for params that cannot be saved.
+
+    Example::
+
+        res = yax.lora(mox, variables, rank=8)
+        trained = ...  # res.params trained where res.mask is True
+        res.save('adapters.safetensors', trained)
+    """
+    _files.save(self, path, self.params if params is None else params,
+                format=format, lora=lora)
 
   def trainable_count(self, params=None) -> TrainableCount:
     """``(trainable, total)`` element counts of ``params`` (default
@@ -744,6 +774,7 @@ _DEFAULT_SELECTION = '//module_call[{}]'.format(
     ' or '.join(f'@type="{t}"' for t in LINEAR_TYPES))
 
 
+@recorded
 def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
          rank: int = 4, alpha: float = 1.0, key=None, init: str = 'default',
          rslora: bool = False, dropout: float = 0.0, dora: bool = False,
@@ -760,7 +791,11 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   - ``selection``: XPath (or node list) of module calls whose own kernel
     reaches a ``dot_general`` or convolution (Dense, DenseGeneral, Einsum,
     Conv, ... on Linen and NNX). It must match at least one module call, only
-    nodes of ``mox``, and no node together with one of its ancestors.
+    nodes of ``mox``, and no node together with one of its ancestors. The
+    default selects the linear layers (``Dense``, ``DenseGeneral``,
+    ``Einsum``, Hugging Face's ``FlaxConv1D``, ``nnx.Linear``,
+    ``nnx.LinearGeneral``) whose kernel is their own parameter, read by
+    them alone: a head tied to an embedding is left out, as peft does.
   - ``rank``: a positive int; ``alpha``: a finite real. The adapter is
     scaled by ``alpha / rank``.
   - ``key``: PRNG key for ``lora_a`` (``jax.random.key(0)`` if omitted).
@@ -795,6 +830,15 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     ``train_names``: only params with these names (``('bias',)``: the
     biases of the selected calls). Both set ``.mask`` True there; ``.merge``
     keeps their trained values.
+  - ``adapter_name``: a named adapter (an identifier): its variables are
+    ``<name>_lora_a``, ``<name>_lora_b`` and a frozen scalar
+    ``<name>_lora_weight`` (1) that scales it. It may go on a tree that
+    already has adapters of other names (``yax.lora(res_a.mox,
+    res_a.params, adapter_name='b')``): they add up, and
+    ``.switch(p, name)`` / ``.weighted(p, {name: w})`` set the weights
+    (switch adapters, combine them). ``.merge`` folds this call's adapters
+    (weighted), for the tree it started from. Without a name the adapter
+    is ``lora_a``/``lora_b``, unweighted, as before.
 
   **Returns:** a :class:`LoraResult` with ``.mox``, ``.params``, ``.mask``,
   ``.merge``, ``.unmerge``, ``.paths``, ``.config``, ``.train_mox`` and
@@ -1125,6 +1169,37 @@ def _fold(kernel, a, b, m, plan, scale):
 
 def _norm(matrix):
   return jnp.sqrt(jnp.sum(matrix * matrix, axis=0))
+
+
+def load_lora(mox: Mox, params, path) -> LoraResult:
+  """Puts saved LoRA adapters on a freshly traced base model.
+
+  **Arguments:**
+  - ``mox``: the base model's tree, traced in this or another process (for
+    adapters made over a quantized base, QLoRA: the tree ``yax.quantize``
+    returned, quantized with the same arguments).
+  - ``params``: its params (as for ``yax.lora``).
+  - ``path``: what ``LoraResult.save`` wrote: a safetensors file or an
+    orbax directory.
+
+  **Returns:** the :class:`LoraResult` of ``lora`` re-run with the
+  recorded arguments, its ``.params`` holding the saved adapters, each on
+  the devices and sharding the fresh adapter has (an orbax checkpoint is
+  read shard by shard).
+
+  Raises ``yax.AdapterFileError`` when the file does not fit: a file made
+  for another model (the params path where they differ), or a missing,
+  extra or misshapen adapter (its params path).
+
+  Example::
+
+      mox = yax.make_mox(model.apply)(variables, x)   # a fresh process
+      res = yax.load_lora(mox, variables, 'adapters.safetensors')
+      y = yax.eval_mox(res.mox, res.params, x)
+  """
+  res, loaded = _files.load(mox, params, path, lora=lora)
+  return dataclasses.replace(res, params=loaded)
+
 
 
 def merge(trained, *, merges: tuple, inside: tuple, scale: float,

@@ -34,6 +34,7 @@ from yax._src.ir.variables import (NNX_GROUP, VarEntry, is_nnx, var_entries,
 from yax._src.rewrite import contraction as _contraction
 from yax._src.rewrite.engine import (describe, inline, leave_out_hint, select,
                                      substitute)
+from yax._src.rewrite.recipe import recorded
 from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
                                             dequantize_kernel,
                                             quantize_array,
@@ -54,12 +55,14 @@ class QuantizeResult:
       half a byte).
     dequantize: ``dequantize(p)`` returns float params for the original
       tree.
+    recipe: this call recorded, to replay it on a new trace (``yax.keep``).
   """
   mox: Mox
   params: Any
   paths: list
   nbytes: tuple
   dequantize: Callable[[Any], Any]
+  recipe: Any = None
 
 
 def _fake_quant(w, fmt: str, contracted: tuple, tile=None):
@@ -233,6 +236,7 @@ def _init_scale(kernel_keys, scale_keys, fmt, contracted, tile, ndim, perm,
   return {kernel_keys: q, scale_keys: scale}
 
 
+@recorded
 def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
              tile=None, mode='ptq') -> QuantizeResult:
   """Quantizes the kernels of the selected module calls.

@@ -36,7 +36,8 @@ from yax._src.errors import SubstitutionError
 from yax._src.ir import lower as _lower
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol, Var,
                                leaf_equations)
-from yax._src.rewrite.engine import describe, non_literals, select, substitute
+from yax._src.rewrite.engine import (describe, non_literals, read_outside,
+                                     reads_from_enclosing, select, substitute)
 
 
 # --------------------------------------------------------------- policies
@@ -57,15 +58,28 @@ def _policy_names() -> dict[str, Callable]:
   return out
 
 
+def _policy_factories() -> dict[str, Callable]:
+  """The functions of ``jax.checkpoint_policies`` that make a policy from
+  arguments (names, memory kinds, other policies), by name."""
+  return {name: getattr(jax.checkpoint_policies, name)
+          for name in dir(jax.checkpoint_policies)
+          if not name.startswith('_')
+          and callable(getattr(jax.checkpoint_policies, name))
+          and not _is_ready_policy(getattr(jax.checkpoint_policies, name))}
+
+
 def _is_ready_policy(fn) -> bool:
-  """A policy takes ``(prim, *avals, **params)`` (or anything); a factory
-  takes names or other policies."""
+  """A policy answers ``(prim, *avals, **params) -> bool`` (JAX annotates
+  each one so); a factory takes names, memory kinds or other policies and
+  returns a policy."""
   try:
-    params = list(inspect.signature(fn).parameters.values())
-  except (TypeError, ValueError):
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without a signature: no policy
     return False
-  return bool(params) and (params[0].name == 'prim' or
-                           params[0].kind is inspect.Parameter.VAR_POSITIONAL)
+  if sig.return_annotation in (bool, 'bool'):
+    return True
+  params = list(sig.parameters.values())
+  return bool(params) and params[0].name == 'prim'
 
 
 def resolve_policy(policy) -> tuple[Callable | None, str]:
@@ -73,6 +87,18 @@ def resolve_policy(policy) -> tuple[Callable | None, str]:
   if policy is None:
     return None, 'nothing_saveable'
   names = _policy_names()
+  factories = _policy_factories()
+  # A factory's name (but offload_dot_with_no_batch_dims, which names the
+  # policy it makes with JAX's usual memory kinds), or the factory itself.
+  factory = policy if isinstance(policy, str) and policy not in names else \
+      next((k for k, f in factories.items() if f is policy), None)
+  if factory in factories:
+    raise SubstitutionError(
+        f'remat: jax.checkpoint_policies.{factory} makes a policy from its '
+        'arguments; it is no policy itself. Pass the policy it returns, '
+        f'e.g. policy=jax.checkpoint_policies.{factory}(...), or keep named '
+        "outputs with save=xpath; the ready policies' names are "
+        f'{", ".join(sorted(names))}')
   if isinstance(policy, str):
     if policy not in names:
       raise SubstitutionError(
@@ -84,6 +110,11 @@ def resolve_policy(policy) -> tuple[Callable | None, str]:
     raise SubstitutionError(
         f'remat: a policy is a name, a jax.checkpoint_policies function or '
         f'None; found {describe(policy)}')
+  # JAX keeps aliases (checkpoint_dots is dots_saveable): the function's
+  # own name first, as the SPEC names the policies.
+  own = getattr(policy, '__name__', None)
+  if names.get(own) is policy:
+    return policy, own
   for name, fn in names.items():
     if fn is policy:
       return fn, name
@@ -144,39 +175,31 @@ def _name_after(node: Expr, prefix: str, names: list[str]) -> Expr:
              debug_info=_lower.new_debug_info(f'yax.remat.{prefix}'))
 
 
-def _reads_outside(node: Mox) -> Symbol | None:
-  """A value the body of ``node`` reads that is neither an input of the
-  call nor computed in it (a module attribute computed by the caller)."""
-  defined = set(node.inputs)
-  for eqn in leaf_equations(node):
-    for sym in eqn.inputs:
-      if not isinstance(sym, Literal) and sym not in defined:
-        return sym
-    defined.update(eqn.outputs)
-  return None
-
-
 def _outer_inputs(node: Mox) -> list[Symbol]:
   """The call's dynamic inputs, each once, in order."""
   return list(dict.fromkeys(non_literals(node.inputs)))
 
 
 def remat_template(node: Mox, policy_fn, label: str,
-                   save: dict[int, tuple[Expr, str]]) -> Mox:
+                   save: dict[int, tuple[Expr, str]],
+                   read_elsewhere: set[Symbol] = frozenset()) -> Mox:
   """``node`` with its body inside one ``checkpoint`` equation, and a
   ``checkpoint_name`` on each output of the ``save`` nodes of its body
-  (``id(node) -> (node, name prefix)``).
+  (``id(node) -> (node, name prefix)``). ``read_elsewhere``: the symbols
+  the tree reads outside ``node``; those its body computes are outputs of
+  the ``checkpoint`` equation as well (state a call updates).
   The template reads the node's own symbols; the engine copies it (the
   ``checkpoint`` body with symbols of its own)."""
-  outside = _reads_outside(node)
-  if outside is not None:
-    raise SubstitutionError(
-        f'remat: the body of {describe(node)} reads a value of type '
-        f'{outside.type_str} that is neither an input of the call nor '
-        'computed in it; the call cannot be rematerialized on its own')
   sample, _ = _sample_equations()
   outer = _outer_inputs(node)
+  # Values of the enclosing body the body reads (a constant of the tree,
+  # a PRNG key of the traced arguments, what the caller computed) are
+  # inputs of the checkpoint too.
+  outer += [s for s in reads_from_enclosing(node) if s not in set(outer)]
   dynamic_outs = non_literals(node.outputs)
+  shown = set(dynamic_outs)
+  dynamic_outs += [s for e in leaf_equations(node) for s in e.outputs
+                   if s in read_elsewhere and s not in shown]
   body = Mox(outer, dynamic_outs, {}, children=list(node.children),
              in_tree=jtu.tree_structure(tuple(outer)),
              out_tree=jtu.tree_structure(tuple(dynamic_outs)),
@@ -189,7 +212,10 @@ def remat_template(node: Mox, policy_fn, label: str,
     only = jax.checkpoint_policies.save_only_these_names(*names)
     policy_fn = only if policy_fn is None else \
         jax.checkpoint_policies.save_from_both_policies(policy_fn, only)
-  outs = [Var(s.aval) for s in dynamic_outs]
+  # The values read elsewhere keep their symbols: the readers outside
+  # this call read them from the ``checkpoint`` equation now.
+  n_own = len(non_literals(node.outputs))
+  outs = [Var(s.aval) for s in dynamic_outs[:n_own]] + dynamic_outs[n_own:]
   params = {k: v for k, v in sample.params.items() if k != 'jaxpr'}
   params.update(policy=policy_fn, prevent_cse=True, differentiated=False)
   eqn = Equation(sample.primitive, list(outer), outs, params,
@@ -279,7 +305,8 @@ def remat(mox: Mox, selection, *, policy=None, save=None) -> Mox:
 
   def replace(path, node):
     del path
-    return remat_template(node, policy_fn, label, saves.get(id(node), {}))
+    return remat_template(node, policy_fn, label, saves.get(id(node), {}),
+                          read_outside(mox, node))
 
   return substitute(chosen, replace, mox).mox
 

@@ -62,6 +62,10 @@ class CallRecord:
   # reserved them): ``(collection, name, treedef, positions)``, each leaf a
   # dynamic input of the root trace named by its position.
   dict_vars: tuple = ()
+  # Linen RNG streams the call drew keys from, whose key is a dynamic
+  # input of the root trace (``apply(..., rngs={'dropout': key})``):
+  # ``(stream, treedef, positions)``; the call reads that key.
+  rng_vars: tuple = ()
 
 
 class CallId:

@@ -300,6 +300,14 @@ def _leaf_problem(sym: Symbol, x) -> tuple[str, str] | None:
     return (sym.type_str, f'{type(x).__name__} {safe_repr(x, 200)}')
   if (tuple(aval.shape) != tuple(sym.aval.shape)
       or aval.dtype != sym.aval.dtype):
+    if not all(isinstance(d, int) for d in sym.aval.shape):
+      return (f'{sym.type_str}, a symbolic shape (traced with '
+              'jax.export.symbolic_shape)', f'{_given_type(x)}. eval_mox '
+              'runs a tree at the shapes it was traced with; to run a '
+              'rewritten model at any shape, record the rewrite and call '
+              'yax.keep(fn, res.recipe)(...), which traces and rewrites per '
+              'shape, or jax.export the tree at symbolic shapes and call '
+              'the export')
     return (sym.type_str, _given_type(x))
   return None
 

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax._src.compat import linen_variable_names
+from yax._src.compat import (linen_rng_draws, linen_rng_key,
+                             linen_variable_names)
 from yax._src.errors import TraceError, TraceWarning
 from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
@@ -107,10 +108,33 @@ def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
     next_fun = _nnx.bridged(path, bridged, next_fun)
   else:
     var_leaves, var_tree = tree_flatten(own_variables(module))
+  draws = linen_rng_draws(module.scope)
+
+  def after(record):
+    _dict_variables(record, module)
+    _rng_variables(record, module, draws)
+
   return marked_call(type(module), context.method_name, module_fields(module),
                      path, var_leaves, var_tree, next_fun, args, kwargs,
-                     after=None if bridged is not None else
-                     lambda record: _dict_variables(record, module))
+                     after=None if bridged is not None else after)
+
+
+def _rng_variables(record: CallRecord, module: nn.Module, before: dict
+                   ) -> None:
+  """Records the keys of the RNG streams the call drew from (Dropout's
+  ``make_rng('dropout')``), where the key is a root input: the call reads
+  it, so it is an input of the call (collection ``rngs``). Draws made by a
+  submodule count there, and reach this call from that submodule's."""
+  found = []
+  for name, count in linen_rng_draws(module.scope).items():
+    if count <= before.get(name, 0):
+      continue
+    leaves, tree = tree_flatten(linen_rng_key(module.scope, name))
+    refs = _calls.root_positions(leaves)
+    if leaves and refs is not None:
+      found.append((name, tree, refs))
+  if found:
+    record.rng_vars = tuple(found)
 
 
 def _dict_variables(record: CallRecord, module: nn.Module) -> None:
@@ -180,6 +204,16 @@ def own_variables(module: nn.Module) -> dict:
     if mine:
       own[col] = mine
   return own
+
+
+# Primitives whose body's outputs are the equation's outputs and whose
+# body's inputs are the equation's inputs, one for one: an output the body
+# forwards from an input is that input.
+_FORWARDING = frozenset({'jit', 'pjit'})
+
+
+# The collection a Linen call lists the RNG keys it draws from under.
+RNGS = 'rngs'
 
 
 # ------------------------------------------------------------ make_mox
@@ -566,6 +600,11 @@ class _Builder:
       for col, name, tree, refs in rec.dict_vars:
         own.setdefault(col, {})[name] = tree_unflatten(
             tree, [self.roots[r] for r in refs])
+    if rec.rng_vars and self.roots is not None:
+      own = {col: dict(values) for col, values in own.items()}
+      for name, tree, refs in rec.rng_vars:
+        own.setdefault(RNGS, {})[name] = tree_unflatten(
+            tree, [self.roots[r] for r in refs])
     reach = self._reach_children(frame.children)
     for key, values in frame.reach.items():
       reach.setdefault(key, {}).update(
@@ -616,6 +655,17 @@ class _Builder:
         forms.append(form)
         params.pop(name, None)
     outputs = [self.bind(v) for v in eqn.outvars]
+    if eqn.primitive.name in _FORWARDING and 'jaxpr' in eqn.params:
+      # A jit body that gives back one of its inputs as it is (an
+      # ``nnx.jit`` method returns every Variable of its module, changed or
+      # not): what reads that output reads the input, so a kernel passed
+      # through stays the parameter it is, not a value computed by the jit.
+      body = _lower.open_part(eqn.params['jaxpr'])
+      position = {v: j for j, v in enumerate(body.invars)}
+      for i, v in enumerate(body.outvars):
+        j = position.get(v) if not isinstance(v, jex.Literal) else None
+        if j is not None and not isinstance(eqn.outvars[i], _lower.JaxDropVar):
+          self.env[eqn.outvars[i]] = inputs[j]
     built = Equation(eqn.primitive, inputs, outputs, params, children=bodies,
                      body_keys=keys, body_forms=forms, effects=eqn.effects,
                      source_info=eqn.source_info, ctx=eqn.ctx)

@@ -1,0 +1,112 @@
+"""yax.lean_norm against plain Flax: outputs within float rounding,
+gradients (params and input) equal to jax.grad of the original model, and
+JAX's saved residuals: each norm keeps its input and per-row statistics
+([rows, 1]) where Flax's keeps several full-size tensors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+from helpers import assert_trees_close, check_rewrite, saved_residuals
+
+
+class Net(nn.Module):
+  features: int = 16
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(epsilon=self.epsilon, name='ln')(
+        nn.Dense(self.features)(x))
+    return nn.Dense(4)(nn.RMSNorm(epsilon=self.epsilon, name='rms')(h))
+
+
+def perturbed(v):
+  """Scales and biases away from 1 and 0, so their gradients matter."""
+  leaves, tree = jax.tree_util.tree_flatten(v)
+  keys = jax.random.split(jax.random.key(9), len(leaves))
+  return jax.tree_util.tree_unflatten(tree, [
+      a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+
+
+def loss(apply):
+  return lambda v, x: jnp.sum(jnp.sin(apply(v, x)))
+
+
+@hypothesis.given(rows=st.integers(1, 7), features=st.integers(2, 24),
+                  lead=st.integers(1, 3),
+                  epsilon=st.sampled_from([1e-6, 1e-5, 0.1]))
+@hypothesis.settings(max_examples=2, deadline=None)
+def test_outputs_and_gradients_are_the_originals(rows, features, lead,
+                                                 epsilon):
+  model = Net(features, epsilon)
+  x = 3.0 * jax.random.normal(jax.random.key(rows), (lead, rows, 5)) + 1.0
+  v = perturbed(model.init(jax.random.key(0), x))
+  mox = yax.make_mox(model.apply)(v, x)
+  new = check_rewrite(yax.lean_norm(mox))
+  assert [(n.path, n.type_name) for n in yax.query(
+      '//module_call[@type="LeanNorm"]', new)] == [(('ln',), 'LeanNorm'),
+                                                   (('rms',), 'LeanNorm')]
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
+                             atol=1e-5)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=2e-4, atol=2e-5)
+
+
+def test_each_norm_keeps_its_input_and_row_statistics():
+  model = Net()
+  x = jax.random.normal(jax.random.key(1), (6, 5))
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  lean = saved_residuals(loss(lambda v, x: yax.eval_mox(new, v, x)), v, x)
+  # ln keeps its input (Dense's output), mean and rstd; rms its input
+  # (ln's output) and rstd; the last Dense its input (rms's output); the
+  # loss cos of the output.
+  assert lean == sorted(['f32[6,16]'] * 3 + ['f32[6,1]'] * 3 + ['f32[6,4]'])
+  flax = saved_residuals(loss(model.apply), v, x)
+  assert flax.count('f32[6,16]') > 3 + 3  # several per norm in plain Flax
+  report_before = yax.memory_report(loss(model.apply), v, x, xla=False)
+  report_after = yax.memory_report(
+      loss(lambda v, x: yax.eval_mox(new, v, x)), v, x, xla=False)
+  # ln computes its mean, rstd and its output (rms's input).
+  assert report_after.by_path()['ln'] == 2 * 6 * 4 + 6 * 16 * 4
+  assert report_after.total < report_before.total
+
+
+def test_refusals_and_input_unchanged():
+  class Odd(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.LayerNorm(reduction_axes=(-2, -1), feature_axes=-1,
+                       name='wide')(x)
+      return nn.LayerNorm(name='ok')(h)
+
+  x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+  v = Odd().init(jax.random.key(0), x)
+  mox = yax.make_mox(Odd().apply)(v, x)
+  before = mox.to_json()
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.lean_norm(mox)
+  text = str(err.value)
+  assert "module_call LayerNorm at path 'wide'" in text
+  assert 'reduction_axes=(-2, -1)' in text and "'ok'" not in text
+  fixed = text.splitlines()[-1].strip()
+  assert fixed == ('//module_call[@type="LayerNorm" or @type="RMSNorm"]'
+                   '[not(@path="wide")]')
+  assert mox.to_json() == before
+  new = check_rewrite(yax.lean_norm(mox, fixed))
+  np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(yax.SubstitutionError, match='not a flax.linen LayerNorm'):
+    yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
+        nn.Dense(3).init(jax.random.key(0), x), x),
+        '//module_call[@type="Dense"]')

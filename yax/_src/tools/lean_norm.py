@@ -1,0 +1,198 @@
+"""``yax.lean_norm``: LayerNorm and RMSNorm that keep what PyTorch keeps.
+
+JAX's autodiff of a LayerNorm keeps several full-size tensors for the
+backward pass (the centred input, its square, the normalised output ...),
+where PyTorch's fused kernel keeps the input and two per-row statistics.
+Here each selected norm becomes one ``custom_vjp`` that keeps its input
+``x`` and the per-row ``mean`` and ``rstd = 1 / sqrt(var + eps)`` (RMSNorm:
+``rstd`` only), and computes the exact gradient from them:
+
+``xhat = (x - mean) * rstd``, ``gh = g * scale``;
+``dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` (RMSNorm:
+``xhat = x * rstd``, ``dx = rstd * (gh - xhat * mean(gh * xhat))``),
+``dscale = sum(g * xhat)``, ``dbias = sum(g)`` over every axis but the
+features.
+
+The forward pass computes the norm in float32 as Flax does (equal within
+float rounding, not bit for bit: Flax's fast variance is ``E[x^2] -
+E[x]^2``, used here too). A selected call is substituted by a
+``LeanNorm`` module call at the same path reading the same ``scale`` and
+``bias`` variables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.nodes import Mox
+from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
+from yax._src.trace.make import make_mox
+
+DEFAULT = '//module_call[@type="LayerNorm" or @type="RMSNorm"]'
+
+
+def _stats(x, rms: bool, eps: float):
+  x32 = x.astype(jnp.float32)
+  if rms:
+    mean = jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  else:
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.maximum(
+        jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean),
+        0.0)
+  return mean, jax.lax.rsqrt(var + eps)
+
+
+@functools.lru_cache(maxsize=None)
+def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool):
+  """``f(x, scale, bias)`` (absent ones passed as None) with the lean
+  backward pass."""
+
+  def forward(x, scale, bias):
+    mean, rstd = _stats(x, rms, eps)
+    y = (x.astype(jnp.float32) - mean) * rstd
+    if use_scale:
+      y = y * scale.astype(jnp.float32)
+    if use_bias:
+      y = y + bias.astype(jnp.float32)
+    return y, mean, rstd
+
+  @jax.custom_vjp
+  def f(x, scale, bias):
+    return forward(x, scale, bias)[0].astype(x.dtype)
+
+  def f_fwd(x, scale, bias):
+    y, mean, rstd = forward(x, scale, bias)
+    keep_mean = None if rms else mean
+    return y.astype(x.dtype), (x, keep_mean, rstd, scale, bias)
+
+  def f_bwd(res, g):
+    x, mean, rstd, scale, bias = res
+    g32 = g.astype(jnp.float32)
+    centred = x.astype(jnp.float32) - (0.0 if mean is None else mean)
+    xhat = centred * rstd
+    rows = tuple(range(x.ndim - 1))
+    gh = g32 * scale.astype(jnp.float32) if use_scale else g32
+    inner = jnp.mean(gh * xhat, axis=-1, keepdims=True)
+    if rms:
+      dx = rstd * (gh - xhat * inner)
+    else:
+      dx = rstd * (gh - jnp.mean(gh, axis=-1, keepdims=True) - xhat * inner)
+    dscale = jnp.sum(g32 * xhat, axis=rows).astype(scale.dtype) \
+        if use_scale else None
+    dbias = jnp.sum(g32, axis=rows).astype(bias.dtype) if use_bias else None
+    return dx.astype(x.dtype), dscale, dbias
+
+  f.defvjp(f_fwd, f_bwd)
+  return f
+
+
+class LeanNorm(nn.Module):
+  """A LayerNorm (``rms=False``) or RMSNorm over the last axis whose
+  backward pass keeps its input and per-row statistics."""
+  rms: bool = False
+  epsilon: float = 1e-6
+  use_scale: bool = True
+  use_bias: bool = True
+  param_dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    features = (x.shape[-1],)
+    scale = self.param('scale', nn.initializers.ones, features,
+                       self.param_dtype) if self.use_scale else None
+    bias = self.param('bias', nn.initializers.zeros, features,
+                      self.param_dtype) if self.use_bias else None
+    return lean_function(self.rms, float(self.epsilon), self.use_scale,
+                         self.use_bias)(x, scale, bias)
+
+
+_SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
+
+
+def _last_axis(value) -> bool:
+  return value in (-1, (-1,), [-1])
+
+
+def _why_not(node) -> str | None:
+  if not isinstance(node, Mox) or node.module_ty not in _SUPPORTED:
+    return ('it is not a flax.linen LayerNorm or RMSNorm call (lean_norm '
+            'rewrites those)')
+  p = node.params
+  if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
+      p.get('feature_axes', -1)):
+    return (f'it normalises over reduction_axes={p.get("reduction_axes")!r} '
+            f'with feature_axes={p.get("feature_axes")!r}; lean_norm supports '
+            'the last axis for both')
+  if p.get('axis_name') is not None or p.get('axis_index_groups') is not None:
+    return 'it reduces across devices (axis_name); lean_norm does not'
+  if len(node.arg_inputs) != 1:
+    return f'it takes {len(node.arg_inputs)} arguments, expected one'
+  x = node.arg_inputs[0]
+  if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
+    return ('its output dtype differs from its input\'s (a dtype= '
+            'setting); lean_norm keeps the input dtype')
+  return None
+
+
+def lean_norm(mox: Mox, selection=None) -> Mox:
+  """LayerNorm/RMSNorm calls that keep their input and per-row statistics
+  for the backward pass, with exact gradients.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged).
+  - ``selection``: XPath or node list of ``flax.linen`` ``LayerNorm`` /
+    ``RMSNorm`` calls; ``None`` selects every one.
+
+  **Returns:** the new tree: each selected call is a ``LeanNorm`` call at
+  the same path, reading the same ``scale``/``bias``; outputs equal the
+  original's within float rounding, gradients exact.
+
+  Raises ``SubstitutionError`` naming each selected call it cannot
+  rewrite (not a Linen LayerNorm/RMSNorm, another axis, a cross-device
+  norm, a ``dtype`` that changes the output's), ending with an XPath that
+  leaves them out.
+
+  Example::
+
+      lean = yax.lean_norm(mox)
+      grads = jax.grad(lambda p: loss(yax.eval_mox(lean, p, x)))(params)
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'lean_norm expects a Mox, found {type(mox).__name__}')
+  chosen = select(DEFAULT if selection is None else selection, mox)
+  problems = [(n, why) for n in chosen.targets
+              if (why := _why_not(n)) is not None]
+  if problems:
+    lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
+    hint = leave_out_hint([(n, False) for n, _ in problems],
+                          DEFAULT if selection is None else selection,
+                          chosen.targets)
+    raise SubstitutionError(
+        f'lean_norm cannot rewrite {len(problems)} of the '
+        f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
+        f'{lines}\n{hint}')
+
+  def replace(path, node):
+    del path
+    p = node.params
+    x = node.arg_inputs[0]
+    module = LeanNorm(rms=_SUPPORTED[node.module_ty],
+                      epsilon=p.get('epsilon', 1e-6),
+                      use_scale=p.get('use_scale', True),
+                      use_bias=p.get('use_bias', True) and
+                      not _SUPPORTED[node.module_ty],
+                      param_dtype=p.get('param_dtype', jnp.float32),
+                      name=node.path[-1] if node.path else None)
+    spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
+    variables = jax.eval_shape(module.init, jax.random.key(0), spec)
+    return make_mox(module.apply)(variables, spec)
+
+  return substitute(chosen, replace, mox).mox
