@@ -49,9 +49,10 @@ def quantize_groups(w, fmt):
   """``(codes, scale)`` of ``w: [groups, group size]``, one absmax scale
   per row (``scale: [groups, 1]``)."""
   top = TOP[fmt]
-  if fmt in ('int8', 'int4'):
-    # In NumPy: IEEE division, as the SPEC writes it (XLA's CPU division is
-    # one ulp off on a few percent of values).
+  if fmt in ('int8', 'int4') and not isinstance(w, jax.core.Tracer):
+    # Stored kernels, in NumPy: IEEE division, as the SPEC writes it
+    # (XLA's CPU division is one ulp off on a few percent of values; a
+    # QAT tree, traced, divides as XLA does, like the jnp below).
     w = np.asarray(w, np.float32)
     scale = np.abs(w).max(1, keepdims=True) / np.float32(top)
     scale = np.where(scale > 0, scale, np.float32(1))

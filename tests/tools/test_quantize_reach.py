@@ -114,20 +114,28 @@ class TwoKernels(nn.Module):
     return h @ w2 + (w2 @ w2).sum()
 
 
+class WithHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name='head')(TwoKernels(name='body')(x))
+
+
 def test_a_call_with_kernels_that_fit_and_one_that_does_not_is_refused():
   # Before: lora and quantize rewrote w1 and silently left w2 as it was.
   x = jnp.ones((2, 5))
-  model = TwoKernels()
+  model = WithHead()
   variables = model.init(jax.random.key(0), x)
   mox = yax.make_mox(model.apply)(variables, x)
   for tool in (yax.lora, yax.quantize):
     with pytest.raises(yax.SubstitutionError) as info:
-      tool(mox, variables, '//module_call[@type="TwoKernels"]')
+      tool(mox, variables,
+           '//module_call[@type="TwoKernels" or @type="Dense"]')
     message = str(info.value)
     assert 'params/w1' in message and 'params/w2' in message
     assert 'not others is refused' in message
-    # The last line selects what the tool can do: nothing here.
-    assert yax.query(message.splitlines()[-1].strip(), mox) == []
+    # The last line selects what the tool can do: the head.
+    rest = yax.query(message.splitlines()[-1].strip(), mox)
+    assert [n.path for n in rest] == [('head',)]
 
 
 class Experts(nn.Module):
