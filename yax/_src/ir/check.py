@@ -413,13 +413,30 @@ def _check_scopes(mox: Mox) -> None:
   # variable inputs) that is defined before a call starts and read under it
   # is among that call's inputs. (A variable computed inside the call, as a
   # kernel tied to an embedding table, is the call's own work.)
-  variables = {s for node in _walk(mox) if isinstance(node, Mox)
-               for s in node.var_inputs if not isinstance(s, Literal)}
+  # Where each variable lives: the path of the module that owns it, from
+  # every call that lists it (the call's path, then the variable's path
+  # relative to it). The rule binds a call for the variables of its own
+  # module and its submodules; a module handed to a call as an argument
+  # (MaxText's decoder takes the shared embedding module) is another
+  # module, whose variables reach the body through that argument.
+  owners: dict[Symbol, set] = {}
+  for node in _walk(mox):
+    if isinstance(node, Mox) and 0 < node.num_vars <= len(node.inputs):
+      for entry in var_entries(node):
+        if not isinstance(entry.symbol, Literal):
+          owners.setdefault(entry.symbol, set()).add(
+              tuple(node.path) + tuple(entry.rel_path[:-1]))
   born: dict[Symbol, int] = {}
+
+  def owned_under(sym, call_path) -> bool:
+    n = len(call_path)
+    return any(o[:n] == call_path for o in owners.get(sym, ()))
 
   def read_in(call, scope: _Scope, sym, node, what, path):
     read(scope, sym, node, what, path)
-    if call is None or sym not in variables or sym in call[1]:
+    if call is None or sym not in owners or sym in call[1]:
+      return
+    if not owned_under(sym, tuple(call[0].path)):
       return
     if born.get(sym, -1) < call[2]:
       raise InvariantError(
