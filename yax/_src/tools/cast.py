@@ -26,16 +26,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
-from jax.extend import core as jex
 
 from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir import lower as _lower
-from yax._src.ir.nodes import Equation, Literal, Mox, Var
+from yax._src.ir.nodes import Equation, Literal, Mox, Var, iter_nodes
 from yax._src.rewrite.engine import (defined_in, describe, inline,
                                      leave_out_hint, non_literals,
                                      read_outside, read_symbols,
                                      reads_from_enclosing, select, substitute)
 from yax._src.trace import eval as _eval
+from yax._src.trace.calls import marked_call
 from yax._src.trace.make import make_mox
 
 
@@ -99,26 +99,63 @@ class _Promoting(_eval.Interpreter):
   the dtype of the values beside them (weakly typed, as Python scalars
   are). An equation with a body of its own that calls no module (a
   ``shard_map``, a ``jit``) gets them at the dtypes its body was traced
-  for, and computes as traced."""
+  for, and computes as traced.
+
+  Run under ``make_mox``, each module call inside the body runs between
+  boundary markers again, described as the traced call was (type, method,
+  fields, path, variables), so the new trace holds the same module calls
+  as the old one, not their equations flattened into the body."""
+
+  def run_module(self, mox: Mox) -> None:
+    if mox.is_ephemeral or not self.modules:
+      # The replayed call itself (its caller marks it) or a body that is
+      # no module call.
+      return super().run_module(mox)
+    args = [self.read(s) for s in mox.arg_inputs]
+    saved = {s: self.env[s] for s in mox.arg_inputs
+             if not isinstance(s, Literal)}
+    variables = [self.read(s) for s in mox.var_inputs]
+
+    def body(*args, **kwargs):
+      leaves = mox.in_tree.flatten_up_to((args, kwargs))
+      for sym, value in zip(mox.arg_inputs, leaves, strict=True):
+        self.write(sym, value)
+      super(_Promoting, self).run_module(mox)
+      return jtu.tree_unflatten(mox.out_tree,
+                                [self.read(s) for s in mox.outputs])
+
+    a, k = jtu.tree_unflatten(mox.in_tree, args)
+    out = marked_call(mox.module_ty, mox.entrypoint, dict(mox.params),
+                      mox.path, variables, mox.var_tree, body, a, k)
+    # What else reads the call's inputs reads them as they were before the
+    # call, not as its enter marker gave them to its body.
+    self.env.update(saved)
+    for sym, value in zip(mox.outputs, mox.out_tree.flatten_up_to(out),
+                          strict=True):
+      self.write(sym, value)
 
   def run_equation(self, eqn: Equation) -> None:
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
               if s.aval is not None and jnp.issubdtype(s.aval.dtype,
                                                        jnp.floating)]
-    if eqn.children or len(floats) < 2:
+    if eqn.children or not floats:
       return super().run_equation(eqn)
     values = {i: (s.value if isinstance(s, Literal) else self.read(s))
               for i, s in floats}
-    if len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
-      return super().run_equation(eqn)
-    if any(isinstance(p, (jex.Jaxpr, jex.ClosedJaxpr))
-           for p in eqn.params.values()):
+    if _lower.body_params(eqn.params):
+      # Its body (a ``jit``, a ``custom_jvp_call`` such as ``relu``) is a
+      # Jaxpr typed for the traced dtypes, which takes no other: even one
+      # float operand of another dtype is given at its traced dtype.
+      if all(jnp.dtype(values[i].dtype) == s.aval.dtype for i, s in floats):
+        return super().run_equation(eqn)
       target = 'the dtypes its body was traced for'
       args = [values[i].astype(s.aval.dtype) if i in values else self.read(s)
               for i, s in enumerate(eqn.inputs)
               if not isinstance(s, Literal)]
       run = lambda: jax.core.eval_jaxpr(_lower.one_equation_jaxpr(eqn), [],
                                         *args)
+    elif len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
+      return super().run_equation(eqn)
     else:
       computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
       dtype = (jnp.result_type(*computed) if computed
@@ -188,14 +225,34 @@ def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
   params = {**node.params, 'compute_dtype': dtype.name}
   if 'dtype' in params:
     params['dtype'] = dtype
-  call = Mox(own_in, own_out, params,
-             children=[_prefixed(c, node.path) for c in children],
+  _restore_calls(node, children)
+  call = Mox(own_in, own_out, params, children=children,
              module_ty=node.module_ty, rewritten=node.rewritten,
              entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(own_in, own_out, {}, children=[call],
              constvars=root.constvars, consts=root.consts)
+
+
+def _restore_calls(node: Mox, children: list) -> None:
+  """Gives the module calls of a replayed body (``children``: the new
+  trace recorded them with the traced calls' types, fields and paths) what
+  a trace does not record: whether a rewrite changed them (``rewritten``)
+  and how their added variables start (``inits``). Raises ``_Refused``
+  when the two bodies do not hold the same calls."""
+  def calls(nodes):
+    return [n for c in nodes for n in iter_nodes(c)
+            if isinstance(n, Mox) and not n.is_ephemeral]
+  old, new = calls(node.children), calls(children)
+  if [(n.module_ty, n.path) for n in old] != \
+      [(n.module_ty, n.path) for n in new]:
+    raise _Refused(
+        'internal: its body run again holds the module calls '
+        f'{[describe(n) for n in new]}, where the traced body held '
+        f'{[describe(n) for n in old]}')
+  for was, now in zip(old, new, strict=True):
+    now.rewritten, now.inits = was.rewritten, was.inits
 
 
 def _first_line(e: BaseException) -> str:
