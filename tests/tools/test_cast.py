@@ -500,3 +500,57 @@ def test_cast_of_a_call_that_updates_state_keeps_its_inner_calls():
   np.testing.assert_allclose(y, want_y, rtol=0.05, atol=0.05)
   for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats)):
     np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02)
+
+
+def _checkpoints(node) -> list:
+  found = [node] if getattr(getattr(node, 'prim', None), 'name', None) in (
+      'checkpoint', 'remat2') else []
+  return found + [n for c in node.children for n in _checkpoints(c)]
+
+
+def test_cast_after_remat_of_the_same_call():
+  """Failed before: a Linen call was rebuilt from its class, which dropped
+  the checkpoint yax.remat had put its body under (the tree still said
+  remat="nothing_saveable"); an NNX call's checkpoint, typed float32, was
+  bound on bfloat16 operands, and eval_mox raised EvaluationError."""
+  from helpers import assert_views_agree
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  v = LoraNet().init(jax.random.key(1), x)
+  mox = yax.make_mox(LoraNet().apply)(v, x)
+  sel = '//module_call[@type="LoraBlock"]'
+  remat = yax.remat(mox, sel)
+  low = yax.cast(remat, sel, 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(remat)
+  assert assert_views_agree(low) == assert_views_agree(mox)
+  block, = yax.query(sel, low)
+  assert block.params['remat'] == 'nothing_saveable'
+  assert len(_checkpoints(block)) == 1
+  dense = yax.query('//module_call[@type="Dense"]', low)
+  assert [d.outputs[0].aval.dtype for d in dense][0] == jnp.bfloat16
+  want = LoraNet(dtype=jnp.bfloat16).apply(v, x)
+  got = yax.eval_mox(low, v, x)
+  np.testing.assert_allclose(got, want, rtol=0.03, atol=0.03)
+  loss = lambda f: lambda p: jnp.sum(f(p) ** 2)
+  g = jax.grad(loss(lambda p: yax.eval_mox(low, p, x)))(v)
+  g_want = jax.grad(loss(lambda p: LoraNet(dtype=jnp.bfloat16).apply(p, x)))(
+      v)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=0.1, atol=0.1)
+
+  model = NNXBlockNet(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  sel = '//module_call[@type="NNXBlock"]'
+  remat = yax.remat(mox, sel)
+  low = yax.cast(remat, sel, 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(remat)
+  assert assert_views_agree(low) == assert_views_agree(mox)
+  assert len(_checkpoints(yax.query(sel, low)[0])) == 1
+  got = yax.eval_mox(low, state, x)
+  reference = NNXBlockNet(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  np.testing.assert_allclose(got, reference(x), rtol=0.02, atol=0.02)
+  assert not np.array_equal(got, model(x))  # it computed in bfloat16

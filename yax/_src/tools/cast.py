@@ -9,10 +9,11 @@ to the compute dtype, and traced again on its floating inputs and variables
 cast to that dtype at the call's boundary. The body therefore rounds as the
 same module built with ``dtype=compute`` would, and what the module's code
 casts explicitly (an upcast before a softmax or a norm) keeps its dtype. A
-call that cannot be rebuilt (an NNX module) has its traced body run again
-on the cast inputs and variables instead, float operands that now differ
-in dtype (a float32 constant next to a bfloat16 value) taken as ``jnp``
-promotion would.
+call that cannot be rebuilt (an NNX module, a call a rewrite added
+variables to or put under ``yax.remat``'s checkpoint) has its traced body
+run again on the cast inputs and variables instead, float operands that
+now differ in dtype (a float32 constant next to a bfloat16 value) taken as
+``jnp`` promotion would; the module calls inside it stay module calls.
 The call's outputs are cast back to their traced dtypes (what the rest of
 the tree reads); stored params do not change, and the call keeps its type,
 path and variables, so selections written for the float tree still work.
@@ -29,6 +30,7 @@ from jax import tree_util as jtu
 
 from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir import lower as _lower
+from yax._src.ir import rules as _rules
 from yax._src.ir.nodes import Equation, Literal, Mox, Var, iter_nodes
 from yax._src.rewrite.engine import (defined_in, describe, inline,
                                      leave_out_hint, non_literals,
@@ -138,7 +140,9 @@ class _Promoting(_eval.Interpreter):
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
               if s.aval is not None and jnp.issubdtype(s.aval.dtype,
                                                        jnp.floating)]
-    if eqn.children or not floats:
+    if eqn.children:
+      return self._run_with_bodies(eqn, floats)
+    if not floats:
       return super().run_equation(eqn)
     values = {i: (s.value if isinstance(s, Literal) else self.read(s))
               for i, s in floats}
@@ -174,6 +178,43 @@ class _Promoting(_eval.Interpreter):
       raise EvaluationError(
           f'{describe(eqn)} of {describe(self.modules[-1])} at {target} '
           f'failed: {type(e).__name__}: {e}') from e
+    for sym, value in zip(eqn.outputs, outs, strict=True):
+      self.write(sym, value)
+
+
+  def _run_with_bodies(self, eqn: Equation, floats: list) -> None:
+    """An equation whose bodies call modules. Given its traced dtypes, it
+    runs as the interpreter runs it. A ``checkpoint`` (``yax.remat``,
+    ``nn.remat``) given other float dtypes runs its body again under
+    ``jax.checkpoint`` with the same policy, traced at the dtypes it is
+    given (the body computes in the cast dtype, rematerialized as
+    before). Any other such equation is refused: its body, typed for the
+    traced dtypes, would be bound on values of other dtypes."""
+    changed = [s for _, s in floats if not isinstance(s, Literal)
+               and jnp.dtype(self.read(s).dtype) != s.aval.dtype]
+    if not changed:
+      return super().run_equation(eqn)
+    if eqn.prim.name not in _rules.CHECKPOINT or len(eqn.children) != 1:
+      raise _Refused(
+          f'{describe(eqn)} in {describe(self.modules[-1])} holds module '
+          f'calls in a body traced for {changed[0].aval.dtype.name} '
+          f'operands, given {jnp.dtype(self.read(changed[0]).dtype).name} '
+          'ones; only a checkpoint (remat) body is run again at other '
+          'dtypes')
+    body, = eqn.children
+    args = [self.read(s) for s in eqn.inputs]
+
+    def run(*args):
+      return self.run_body(body, args)
+
+    try:
+      outs = jax.checkpoint(run, policy=eqn.params.get('policy'),
+                            prevent_cse=eqn.params.get('prevent_cse', True)
+                            )(*args)
+    except Exception as e:  # noqa: BLE001 - re-raised with where it happened
+      raise EvaluationError(
+          f'{describe(eqn)} of {describe(self.modules[-1])} run again at '
+          f'the dtypes it is given failed: {type(e).__name__}: {e}') from e
     for sym, value in zip(eqn.outputs, outs, strict=True):
       self.write(sym, value)
 
@@ -271,10 +312,12 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   updates_state = any(s in read_elsewhere and s not in shown
                       for s in defined_in(node))
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or \
-      updates_state:
-    # An NNX module; or a call that updates state the tree reads (a
+      updates_state or _rematerialized(node, cls):
+    # An NNX module; a call that updates state the tree reads (a
     # BatchNorm's statistics under ``mutable``), which an ``apply`` of
-    # the rebuilt module would not give back: its body is run again.
+    # the rebuilt module would not give back; or a call ``yax.remat``
+    # put under a checkpoint, which the rebuilt module would drop: its
+    # body is run again.
     return _replayed(node, dtype, output, read_elsewhere)
   module, has_dtype = _rebuilt(node, dtype)
   method = getattr(type(module), node.entrypoint or '__call__', None)
@@ -348,6 +391,13 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   return Mox(root.inputs, root.outputs, {}, children=[call],
              in_tree=root.in_tree, out_tree=root.out_tree,
              constvars=root.constvars, consts=root.consts)
+
+
+def _rematerialized(node: Mox, cls: type) -> bool:
+  """Whether ``yax.remat`` put the call's body under a checkpoint: the
+  call has a ``remat`` param that is no field of its class."""
+  return 'remat' in node.params and not any(
+      f.name == 'remat' for f in dataclasses.fields(cls))
 
 
 def _is_host(x) -> bool:
