@@ -14,7 +14,7 @@ script
    greedily (KV cache) at two batch sizes and two prompt lengths, adapters
    unmerged; each generation is compared token for token with the base
    model run by Hugging Face on ``res.merge``'s merged weights;
-4. exports the merged model's forward pass with ``jax.export`` (a
+4. exports the merged model's forward pass with ``yax.export`` (a
    symbolic batch), serializes it with its weights;
 5. in a process that never imports YAX: deserializes and runs it, and
    compares the logits with those computed before the export.
@@ -179,9 +179,14 @@ def generate_and_export(workdir: pathlib.Path) -> bool:
   def forward(params, ids):
     return model(ids, params=params).logits
 
+  # yax.export of the merged model's tree, traced at a symbolic batch: each
+  # op's location names its module path (what Model Explorer nests).
   batch_dim, = jax.export.symbolic_shape('b')
-  exported = jax.export.export(jax.jit(forward))(
-      merged, jax.ShapeDtypeStruct((batch_dim, 8), jnp.int32))
+  spec = jax.ShapeDtypeStruct((batch_dim, 8), jnp.int32)
+  forward_mox = yax.make_mox(forward)(merged, spec)
+  exported = yax.export(forward_mox, merged, spec)
+  ok &= check('the export locates ops at their module paths',
+              'transformer/h/0/attn' in exported.mlir_module())
   (workdir / 'model.jax').write_bytes(exported.serialize())
   leaves = jax.tree.leaves((merged,))
   ids = jnp.asarray(counting(5, 8, seed=7))

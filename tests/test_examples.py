@@ -165,3 +165,24 @@ def test_memory_finetune_small(tmp_path):
   find(r'fewbit 3-bit accuracy within 1 point of exact: True', out)
   assert f'loss curves saved to {png}' in out
   assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_lora_keep_small():
+  """LoRA fine-tuned on a tiny GPT-2, adapters saved and loaded in a fresh
+  process, greedy generation with them unmerged at two batch sizes and two
+  prompt lengths equal to the merged model's, ``yax.export`` of the merged
+  tree served by a process that never imports YAX."""
+  pytest.importorskip('optax')
+  out = run_example('lora_keep.py', '--small')
+  m = find(r'LoRA training: loss ([\d.]+) -> ([\d.]+)', out)
+  assert float(m.group(2)) < float(m.group(1))
+  for batch in (1, 3):
+    for length in (3, 6):
+      find(rf"batch {batch}, prompt {length}: unmerged adapters generate the "
+           r"merged model's tokens \[[\d, ]+\]: True", out)
+  for line in ('the adapters change the generation: True',
+               'the export locates ops at their module paths: True',
+               'yax was never imported here: True',
+               "the served export computes the merged model's logits: True",
+               'all checks passed: True'):
+    assert line in out, out
