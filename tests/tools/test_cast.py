@@ -363,3 +363,194 @@ def test_cast_refusal_names_an_exception_without_a_message(monkeypatch):
                      match='tracing it again at bfloat16 raised '
                      'AssertionError'):
     yax.cast(mox, '//module_call[@type="Asserting"]', 'bfloat16')
+
+
+# Calls whose body cast runs again (it cannot rebuild their class: an NNX
+# module, a call a rewrite added variables to, a call whose state the tree
+# reads elsewhere) keep the module calls inside them. Failed before: the
+# body came back flat, its Dense/Linear calls gone from XPath, the summary
+# and every other view.
+
+def _calls(mox) -> list:
+  return [(n.type_name, n.path)
+          for n in yax.query('//module_call', mox)]
+
+
+class LoraBlock(nn.Module):
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(8, dtype=self.dtype)(x))
+    return nn.Dense(4, dtype=self.dtype)(h) + x
+
+
+class LoraNet(nn.Module):
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.LayerNorm()(LoraBlock(dtype=self.dtype)(x))
+
+
+def test_cast_of_a_block_with_lora_inside_keeps_its_inner_calls():
+  from helpers import assert_views_agree
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  variables = LoraNet().init(jax.random.key(1), x)
+  mox = yax.make_mox(LoraNet().apply)(variables, x)
+  adapted = yax.lora(mox, variables, '//module_call[@type="Dense"]', rank=2)
+  assert yax.query('//module_call[@type="LoraBlock"]',
+                   adapted.mox)[0].rewritten  # so its body is run again
+  # Adapters that change the result (lora_b starts at zero).
+  keys = iter(jax.random.split(jax.random.key(2), 2))
+  params = jax.tree_util.tree_map_with_path(
+      lambda k, v: 0.5 * jax.random.normal(next(keys), v.shape)
+      if 'lora_b' in jax.tree_util.keystr(k) else v, adapted.params)
+  low = yax.cast(adapted.mox, '//module_call[@type="LoraBlock"]', 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(adapted.mox)
+  assert assert_views_agree(low) == assert_views_agree(adapted.mox)
+  assert [d.rewritten for d in yax.query('//module_call', low)] == [
+      d.rewritten for d in yax.query('//module_call', adapted.mox)]
+  dense = yax.query('//module_call[@type="Dense"]', low)
+  assert [d.path for d in dense] == [('LoraBlock_0', 'Dense_0'),
+                                     ('LoraBlock_0', 'Dense_1')]
+  # The first Dense computes in bfloat16. (The adapter's matmuls were
+  # traced with preferred_element_type=float32, which running the body
+  # again keeps, so the LoRA call returns float32 and the second Dense
+  # computes on float32 inputs.)
+  assert dense[0].outputs[0].aval.dtype == jnp.bfloat16
+  got = yax.eval_mox(low, params, x)
+  # Plain Flax: the block built with dtype=bfloat16, each kernel with its
+  # adapter folded in by hand (scale alpha / rank = 0.5).
+  p = params['params']['LoraBlock_0']
+  folded = {name: {'kernel': d['kernel'] + 0.5 * d['lora_a'] @ d['lora_b'],
+                   'bias': d['bias']} for name, d in p.items()}
+  plain = {'params': {'LoraBlock_0': folded,
+                      'LayerNorm_0': params['params']['LayerNorm_0']}}
+  want = LoraNet(dtype=jnp.bfloat16).apply(plain, x)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=0.03, atol=0.03)
+  without = LoraNet(dtype=jnp.bfloat16).apply(variables, x)
+  assert not np.allclose(got, without, rtol=0.1, atol=0.1)  # adapters ran
+  assert not np.array_equal(got, LoraNet().apply(plain, x))  # in bfloat16
+
+
+class NNXBlock(nnx.Module):
+
+  def __init__(self, rngs, dtype=None):
+    self.a = nnx.Linear(4, 8, dtype=dtype, rngs=rngs)
+    self.b = nnx.Linear(8, 4, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jax.nn.relu(self.a(x)))
+
+
+class NNXBlockNet(nnx.Module):
+
+  def __init__(self, rngs, dtype=None):
+    self.block = NNXBlock(rngs, dtype)
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.block(x))
+
+
+def test_nnx_cast_of_a_block_keeps_its_inner_calls():
+  """Also failed before (after the calls were kept): the ``relu`` between
+  the Linears, a ``custom_jvp_call`` whose body is typed float32, was
+  given a bfloat16 operand, a tree that eval_mox failed on
+  (RuntimeProgramInputMismatch); it now gets its operand at the traced
+  dtype."""
+  from helpers import assert_views_agree
+  model = NNXBlockNet(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="NNXBlock"]', 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(mox)
+  assert ('Linear', ('block', 'a')) in _calls(low)
+  assert assert_views_agree(low) == assert_views_agree(mox)
+  assert {r.path for r in yax.summary(low)} == {
+      r.path for r in yax.summary(mox)}
+  got = yax.eval_mox(low, state, x)
+  reference = NNXBlockNet(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  want = reference(x)
+  np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02)
+  assert not np.array_equal(got, model(x))  # it computed in bfloat16
+
+
+def test_cast_of_a_call_that_updates_state_keeps_its_inner_calls():
+  from helpers import assert_views_agree
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  model = BNBlock()
+  v = model.init(jax.random.key(0), x)
+  apply = lambda v, x: model.apply(v, x, mutable=['batch_stats'])
+  mox = yax.make_mox(apply)(v, x)
+  low = yax.cast(mox, '//module_call[@type="BNBlock"]', 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(mox) == [
+      (None, ()), ('BNBlock', ()), ('Dense', ('fc',)),
+      ('BatchNorm', ('bn',))]
+  assert assert_views_agree(low) == 3
+  (y, stats), (want_y, want_stats) = yax.eval_mox(low, v, x), apply(v, x)
+  np.testing.assert_allclose(y, want_y, rtol=0.05, atol=0.05)
+  for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats)):
+    np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02)
+
+
+def _checkpoints(node) -> list:
+  found = [node] if getattr(getattr(node, 'prim', None), 'name', None) in (
+      'checkpoint', 'remat2') else []
+  return found + [n for c in node.children for n in _checkpoints(c)]
+
+
+def test_cast_after_remat_of_the_same_call():
+  """Failed before: a Linen call was rebuilt from its class, which dropped
+  the checkpoint yax.remat had put its body under (the tree still said
+  remat="nothing_saveable"); an NNX call's checkpoint, typed float32, was
+  bound on bfloat16 operands, and eval_mox raised EvaluationError."""
+  from helpers import assert_views_agree
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  v = LoraNet().init(jax.random.key(1), x)
+  mox = yax.make_mox(LoraNet().apply)(v, x)
+  sel = '//module_call[@type="LoraBlock"]'
+  remat = yax.remat(mox, sel)
+  low = yax.cast(remat, sel, 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(remat)
+  assert assert_views_agree(low) == assert_views_agree(mox)
+  block, = yax.query(sel, low)
+  assert block.params['remat'] == 'nothing_saveable'
+  assert len(_checkpoints(block)) == 1
+  dense = yax.query('//module_call[@type="Dense"]', low)
+  assert [d.outputs[0].aval.dtype for d in dense][0] == jnp.bfloat16
+  want = LoraNet(dtype=jnp.bfloat16).apply(v, x)
+  got = yax.eval_mox(low, v, x)
+  np.testing.assert_allclose(got, want, rtol=0.03, atol=0.03)
+  loss = lambda f: lambda p: jnp.sum(f(p) ** 2)
+  g = jax.grad(loss(lambda p: yax.eval_mox(low, p, x)))(v)
+  g_want = jax.grad(loss(lambda p: LoraNet(dtype=jnp.bfloat16).apply(p, x)))(
+      v)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=0.1, atol=0.1)
+
+  model = NNXBlockNet(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  sel = '//module_call[@type="NNXBlock"]'
+  remat = yax.remat(mox, sel)
+  low = yax.cast(remat, sel, 'bfloat16')
+  yax.check_mox(low)
+  assert _calls(low) == _calls(remat)
+  assert assert_views_agree(low) == assert_views_agree(mox)
+  assert len(_checkpoints(yax.query(sel, low)[0])) == 1
+  got = yax.eval_mox(low, state, x)
+  reference = NNXBlockNet(nnx.Rngs(0), dtype=jnp.bfloat16)
+  nnx.update(reference, state)
+  np.testing.assert_allclose(got, reference(x), rtol=0.02, atol=0.02)
+  assert not np.array_equal(got, model(x))  # it computed in bfloat16
