@@ -9,11 +9,10 @@ to the compute dtype, and traced again on its floating inputs and variables
 cast to that dtype at the call's boundary. The body therefore rounds as the
 same module built with ``dtype=compute`` would, and what the module's code
 casts explicitly (an upcast before a softmax or a norm) keeps its dtype. A
-call that cannot be rebuilt (an NNX module, a call a rewrite added
-variables to or put under ``yax.remat``'s checkpoint) has its traced body
-run again on the cast inputs and variables instead, float operands that
-now differ in dtype (a float32 constant next to a bfloat16 value) taken as
-``jnp`` promotion would; the module calls inside it stay module calls.
+call that cannot be rebuilt (an NNX module) has its traced body run again
+on the cast inputs and variables instead, float operands that now differ
+in dtype (a float32 constant next to a bfloat16 value) taken as ``jnp``
+promotion would.
 The call's outputs are cast back to their traced dtypes (what the rest of
 the tree reads); stored params do not change, and the call keeps its type,
 path and variables, so selections written for the float tree still work.
@@ -27,17 +26,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
+from jax.extend import core as jex
 
 from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir import lower as _lower
-from yax._src.ir import rules as _rules
-from yax._src.ir.nodes import Equation, Literal, Mox, Var, iter_nodes
+from yax._src.ir.nodes import Equation, Literal, Mox, Var
 from yax._src.rewrite.engine import (defined_in, describe, inline,
                                      leave_out_hint, non_literals,
                                      read_outside, read_symbols,
                                      reads_from_enclosing, select, substitute)
 from yax._src.trace import eval as _eval
-from yax._src.trace.calls import marked_call
 from yax._src.trace.make import make_mox
 
 
@@ -101,65 +99,26 @@ class _Promoting(_eval.Interpreter):
   the dtype of the values beside them (weakly typed, as Python scalars
   are). An equation with a body of its own that calls no module (a
   ``shard_map``, a ``jit``) gets them at the dtypes its body was traced
-  for, and computes as traced.
-
-  Run under ``make_mox``, each module call inside the body runs between
-  boundary markers again, described as the traced call was (type, method,
-  fields, path, variables), so the new trace holds the same module calls
-  as the old one, not their equations flattened into the body."""
-
-  def run_module(self, mox: Mox) -> None:
-    if mox.is_ephemeral or not self.modules:
-      # The replayed call itself (its caller marks it) or a body that is
-      # no module call.
-      return super().run_module(mox)
-    args = [self.read(s) for s in mox.arg_inputs]
-    saved = {s: self.env[s] for s in mox.arg_inputs
-             if not isinstance(s, Literal)}
-    variables = [self.read(s) for s in mox.var_inputs]
-
-    def body(*args, **kwargs):
-      leaves = mox.in_tree.flatten_up_to((args, kwargs))
-      for sym, value in zip(mox.arg_inputs, leaves, strict=True):
-        self.write(sym, value)
-      super(_Promoting, self).run_module(mox)
-      return jtu.tree_unflatten(mox.out_tree,
-                                [self.read(s) for s in mox.outputs])
-
-    a, k = jtu.tree_unflatten(mox.in_tree, args)
-    out = marked_call(mox.module_ty, mox.entrypoint, dict(mox.params),
-                      mox.path, variables, mox.var_tree, body, a, k)
-    # What else reads the call's inputs reads them as they were before the
-    # call, not as its enter marker gave them to its body.
-    self.env.update(saved)
-    for sym, value in zip(mox.outputs, mox.out_tree.flatten_up_to(out),
-                          strict=True):
-      self.write(sym, value)
+  for, and computes as traced."""
 
   def run_equation(self, eqn: Equation) -> None:
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
               if s.aval is not None and jnp.issubdtype(s.aval.dtype,
                                                        jnp.floating)]
-    if eqn.children:
-      return self._run_with_bodies(eqn, floats)
-    if not floats:
+    if eqn.children or len(floats) < 2:
       return super().run_equation(eqn)
     values = {i: (s.value if isinstance(s, Literal) else self.read(s))
               for i, s in floats}
-    if _lower.body_params(eqn.params):
-      # Its body (a ``jit``, a ``custom_jvp_call`` such as ``relu``) is a
-      # Jaxpr typed for the traced dtypes, which takes no other: even one
-      # float operand of another dtype is given at its traced dtype.
-      if all(jnp.dtype(values[i].dtype) == s.aval.dtype for i, s in floats):
-        return super().run_equation(eqn)
+    if len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
+      return super().run_equation(eqn)
+    if any(isinstance(p, (jex.Jaxpr, jex.ClosedJaxpr))
+           for p in eqn.params.values()):
       target = 'the dtypes its body was traced for'
       args = [values[i].astype(s.aval.dtype) if i in values else self.read(s)
               for i, s in enumerate(eqn.inputs)
               if not isinstance(s, Literal)]
       run = lambda: jax.core.eval_jaxpr(_lower.one_equation_jaxpr(eqn), [],
                                         *args)
-    elif len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
-      return super().run_equation(eqn)
     else:
       computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
       dtype = (jnp.result_type(*computed) if computed
@@ -178,43 +137,6 @@ class _Promoting(_eval.Interpreter):
       raise EvaluationError(
           f'{describe(eqn)} of {describe(self.modules[-1])} at {target} '
           f'failed: {type(e).__name__}: {e}') from e
-    for sym, value in zip(eqn.outputs, outs, strict=True):
-      self.write(sym, value)
-
-
-  def _run_with_bodies(self, eqn: Equation, floats: list) -> None:
-    """An equation whose bodies call modules. Given its traced dtypes, it
-    runs as the interpreter runs it. A ``checkpoint`` (``yax.remat``,
-    ``nn.remat``) given other float dtypes runs its body again under
-    ``jax.checkpoint`` with the same policy, traced at the dtypes it is
-    given (the body computes in the cast dtype, rematerialized as
-    before). Any other such equation is refused: its body, typed for the
-    traced dtypes, would be bound on values of other dtypes."""
-    changed = [s for _, s in floats if not isinstance(s, Literal)
-               and jnp.dtype(self.read(s).dtype) != s.aval.dtype]
-    if not changed:
-      return super().run_equation(eqn)
-    if eqn.prim.name not in _rules.CHECKPOINT or len(eqn.children) != 1:
-      raise _Refused(
-          f'{describe(eqn)} in {describe(self.modules[-1])} holds module '
-          f'calls in a body traced for {changed[0].aval.dtype.name} '
-          f'operands, given {jnp.dtype(self.read(changed[0]).dtype).name} '
-          'ones; only a checkpoint (remat) body is run again at other '
-          'dtypes')
-    body, = eqn.children
-    args = [self.read(s) for s in eqn.inputs]
-
-    def run(*args):
-      return self.run_body(body, args)
-
-    try:
-      outs = jax.checkpoint(run, policy=eqn.params.get('policy'),
-                            prevent_cse=eqn.params.get('prevent_cse', True)
-                            )(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised with where it happened
-      raise EvaluationError(
-          f'{describe(eqn)} of {describe(self.modules[-1])} run again at '
-          f'the dtypes it is given failed: {type(e).__name__}: {e}') from e
     for sym, value in zip(eqn.outputs, outs, strict=True):
       self.write(sym, value)
 
@@ -266,34 +188,14 @@ def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
   params = {**node.params, 'compute_dtype': dtype.name}
   if 'dtype' in params:
     params['dtype'] = dtype
-  _restore_calls(node, children)
-  call = Mox(own_in, own_out, params, children=children,
+  call = Mox(own_in, own_out, params,
+             children=[_prefixed(c, node.path) for c in children],
              module_ty=node.module_ty, rewritten=node.rewritten,
              entrypoint=node.entrypoint,
              path=node.path, in_tree=node.in_tree, out_tree=node.out_tree,
              var_tree=node.var_tree)
   return Mox(own_in, own_out, {}, children=[call],
              constvars=root.constvars, consts=root.consts)
-
-
-def _restore_calls(node: Mox, children: list) -> None:
-  """Gives the module calls of a replayed body (``children``: the new
-  trace recorded them with the traced calls' types, fields and paths) what
-  a trace does not record: whether a rewrite changed them (``rewritten``)
-  and how their added variables start (``inits``). Raises ``_Refused``
-  when the two bodies do not hold the same calls."""
-  def calls(nodes):
-    return [n for c in nodes for n in iter_nodes(c)
-            if isinstance(n, Mox) and not n.is_ephemeral]
-  old, new = calls(node.children), calls(children)
-  if [(n.module_ty, n.path) for n in old] != \
-      [(n.module_ty, n.path) for n in new]:
-    raise _Refused(
-        'internal: its body run again holds the module calls '
-        f'{[describe(n) for n in new]}, where the traced body held '
-        f'{[describe(n) for n in old]}')
-  for was, now in zip(old, new, strict=True):
-    now.rewritten, now.inits = was.rewritten, was.inits
 
 
 def _first_line(e: BaseException) -> str:
@@ -312,12 +214,10 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   updates_state = any(s in read_elsewhere and s not in shown
                       for s in defined_in(node))
   if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or \
-      updates_state or _rematerialized(node, cls):
-    # An NNX module; a call that updates state the tree reads (a
+      updates_state:
+    # An NNX module; or a call that updates state the tree reads (a
     # BatchNorm's statistics under ``mutable``), which an ``apply`` of
-    # the rebuilt module would not give back; or a call ``yax.remat``
-    # put under a checkpoint, which the rebuilt module would drop: its
-    # body is run again.
+    # the rebuilt module would not give back: its body is run again.
     return _replayed(node, dtype, output, read_elsewhere)
   module, has_dtype = _rebuilt(node, dtype)
   method = getattr(type(module), node.entrypoint or '__call__', None)
@@ -391,13 +291,6 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   return Mox(root.inputs, root.outputs, {}, children=[call],
              in_tree=root.in_tree, out_tree=root.out_tree,
              constvars=root.constvars, consts=root.consts)
-
-
-def _rematerialized(node: Mox, cls: type) -> bool:
-  """Whether ``yax.remat`` put the call's body under a checkpoint: the
-  call has a ``remat`` param that is no field of its class."""
-  return 'remat' in node.params and not any(
-      f.name == 'remat' for f in dataclasses.fields(cls))
 
 
 def _is_host(x) -> bool:
