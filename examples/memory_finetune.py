@@ -111,7 +111,7 @@ def residual_bytes(fn, *args) -> int:
   for line in buf.getvalue().splitlines():
     if not line or ' from the argument ' in line:
       continue
-    m = re.match(r'(\w+)\[([\d,]*)\]', line)
+    m = re.match(r"(\w+)(?:<\w+>)?\[([\d,]*)\]", line)
     shape = [int(d) for d in m.group(2).split(',') if d]
     total += _DTYPE_BYTES[m.group(1)] * math.prod(shape)
   return total

@@ -147,14 +147,16 @@ def test_nnx_state_as_params():
   ref = jax_residuals(lambda s: nloss(s, X), state)
   assert report.total == sum(b for _, b, _ in ref)
   # JAX names the function that computes each residual: fc's output
-  # (GELU's input) in Linear.__call__, GELU's four tensors in NBlock's
-  # body, 2 * y in the loss.
+  # (GELU's input) in Linear.__call__, GELU's tensors in NBlock's body
+  # (four on JAX 0.12, five on 0.8: jax.nn.gelu changed), 2 * y in the loss.
   def where(fn):
     return sum(b for _, b, src in ref if src.endswith(f'{fn})'))
 
   rows = report.by_path()
   assert rows['fc'] == where('Linear.__call__') == 4 * 16 * 4
-  assert rows['<NBlock>'] == where('NBlock.__call__') == 4 * 4 * 16 * 4
+  gelu = where('NBlock.__call__')
+  assert gelu % (4 * 16 * 4) == 0 and gelu >= 4 * 4 * 16 * 4
+  assert rows['<NBlock>'] == gelu
   assert rows['out'] == 0
   assert report.unattributed == where('nloss')
 
