@@ -17,6 +17,8 @@ with the reason otherwise.
 
 import functools
 import os
+import re
+import types
 
 import equinox as eqx
 import jax
@@ -157,6 +159,93 @@ def test_state_and_static_fields():
     np.testing.assert_array_equal(a, b)
 
 
+class _Scale(eqx.Module):
+  """A module whose ``__init__`` takes a size that is no field."""
+  w: jax.Array
+
+  def __init__(self, size, *, key):
+    self.w = jax.random.normal(key, (size,))
+
+  def __call__(self, x):
+    return self.w * x
+
+
+def test_init_params_completes_an_equinox_model():
+  # init_params makes what a rewrite added, as plain arrays in the model's
+  # modules: LoRA adapters and an int8 kernel with its scale (the tools'
+  # records), and a PReLU put in place of GELU by a pattern (its own
+  # __init__). Before, LoRA's adapters came back as NNX Variables (eval_mox:
+  # "given a container"), the quantized kernel's record could not read
+  # the Linear's fields ("params lacks"), and the PReLU's variables could
+  # not be placed in the MLP ("MLP has no field 'match'").
+  model = eqx.nn.MLP(3, 2, 8, 2, activation=jax.nn.gelu,
+                     key=jax.random.key(0))
+  x = jnp.arange(3.0)
+  mox = _trace(lambda m, x: m(x), model, x)
+  sel = '//module_call[@type="Linear"]'
+  res = yax.lora(mox, model, sel, rank=2, key=jax.random.key(1))
+  full = yax.init_params(res.mox, model, key=jax.random.key(2))
+  assert jax.tree_util.tree_structure(full) == \
+      jax.tree_util.tree_structure(res.params)
+  assert not jnp.any(full.layers[1].lora_b)  # B = 0: the model's output
+  np.testing.assert_allclose(yax.eval_mox(res.mox, full, x), model(x),
+                             rtol=1e-6)
+  q = yax.quantize(mox, model, sel, weight='int8')
+  full = yax.init_params(q.mox, model, key=jax.random.key(2))
+  for layer, made in zip(model.layers, full.layers, strict=True):
+    # Symmetric absmax per output row, by hand.
+    scale = jnp.max(jnp.abs(layer.weight), axis=1, keepdims=True) / 127
+    np.testing.assert_allclose(made.weight_scale, scale, rtol=1e-6)
+    np.testing.assert_array_equal(made.weight,
+                                  jnp.round(layer.weight / scale))
+  np.testing.assert_allclose(
+      yax.eval_mox(q.mox, full, x),
+      _dequantized(types.SimpleNamespace(params=full), model)(x), rtol=1e-5,
+      atol=1e-6)
+  gelu = lambda x: jax.nn.gelu(x)
+  matches = yax.match(gelu, mox)
+  assert len(matches) == 2
+  prelu = _trace(lambda p, x: p(x), eqx.nn.PReLU(), jnp.zeros(8))
+  new = yax.sub(matches, prelu, mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, model, key=jax.random.key(2))
+  h = x  # by hand: PReLU's initial slope, 0.25
+  for i, layer in enumerate(model.layers):
+    h = layer(h)
+    h = jnp.where(h >= 0, h, 0.25 * h) if i < 2 else h
+  np.testing.assert_allclose(yax.eval_mox(new, full, x), h, rtol=1e-6)
+  # A module whose __init__ needs what the trace did not record.
+  scale = _trace(lambda s, x: s(x), _Scale(8, key=jax.random.key(0)),
+                 jnp.zeros(8))
+  with pytest.raises(yax.SubstitutionError, match=r"needs \['size'\]"):
+    yax.init_params(yax.sub(matches, scale, mox), model,
+                    key=jax.random.key(2))
+
+
+FACTORY = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+def factory():
+  model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+  return (lambda m, x: jax.vmap(m)(x)), (model, jnp.ones((4, 3))), {}
+"""
+
+
+def test_cli_summary_of_an_equinox_factory(tmp_path, capsys):
+  from yax._src.cli import main as cli
+  (tmp_path / 'eqx_model.py').write_text(FACTORY)
+  assert cli.main(['summary', f'{tmp_path / "eqx_model.py"}:factory']) == 0
+  out = capsys.readouterr().out
+  model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+  by_hand = sum(a.size for a in jax.tree_util.tree_leaves(model)
+                if eqx.is_inexact_array(a))
+  assert f'Total params: {by_hand} ' in out
+  assert all(f'layers/{i}' in out for i in range(3))
+
+
 # ---------------------------------------------------------------- eqx-zoo
 
 @pytest.fixture(scope='module')
@@ -214,6 +303,23 @@ def test_qwen3_moe_rewrites(qwen3_moe):
   for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(
       g_want), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # randomized_linear: exact outputs, and exact gradients for every
+  # parameter but the sketched kernels.
+  sketched = yax.randomized_linear(mox, '//module_call[@type="Linear"]')
+  yax.check_mox(sketched)
+  run = lambda m: yax.eval_mox(sketched, m, ids, sketch_key=jax.random.key(5))
+  np.testing.assert_allclose(run(model), want, rtol=1e-6)
+  g = eqx.filter_grad(loss(run))(model)
+  compared = 0
+  for (kp, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
+                        jax.tree_util.tree_leaves(g_want), strict=True):
+    path = jax.tree_util.keystr(kp)
+    if re.search(r'(_attn\.[qkvo]_proj|mlp\.gate|lm_head)\.weight', path):
+      assert a.shape == b.shape  # sketched: unbiased, not equal
+      continue
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=path)
+    compared += 1
+  assert compared == 1 + 2 * 7 + 1  # embedding; per layer; final norm
   # cast: the projections in bfloat16, within bfloat16 error.
   cast = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16')
   yax.check_mox(cast)
@@ -226,6 +332,22 @@ def test_qwen3_moe_rewrites(qwen3_moe):
   assert yax.query('//module_call[@type="FewBit"]', few)
   np.testing.assert_allclose(yax.eval_mox(few, model, ids), want, rtol=1e-5,
                              atol=1e-6)
+
+
+def test_qwen3_moe_pattern(qwen3_moe, monkeypatch):
+  model, ids, fn, mox = qwen3_moe
+  # A pattern: the experts' SiLU becomes ReLU; the model's own code with
+  # jax.nn.silu patched to ReLU is the reference.
+  matches = yax.match(jax.nn.silu, mox)
+  assert len(matches) == 2  # one per MoE layer
+  relu = yax.sub(matches, yax.trace_like(jax.nn.relu), mox)
+  yax.check_mox(relu)
+  got = yax.eval_mox(relu, model, ids)
+  with monkeypatch.context() as m:
+    m.setattr(jax.nn, 'silu', jax.nn.relu)
+    want = fn(model, ids)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(got, fn(model, ids), atol=1e-3)
 
 
 def _lora_and_merge(mox, model, run, selection):
@@ -295,10 +417,20 @@ def test_qwen3_moe_lora_merge_and_quantize(qwen3_moe):
 
 # ---------------------------------------------------------------- esm2quinox
 
-def test_esm2quinox():
+def _jitted(fn, *args):
+  return eqx.filter_jit(fn)(*args)
+
+
+def test_esm2quinox_called_three_times():
   # ESM2 runs its layers in a lax.scan over a stack built by filter_vmap,
   # inside an eqx.filter_jit method; its embedding is an eqx.nn.Embedding
-  # built in a property from the logit head's kernel (tied).
+  # built in a property from the logit head's kernel (tied). The function
+  # calls the model three times (three proteins, one at a time): each call
+  # reaches the kernels through a filter_jit body of its own, so a new
+  # variable (a scale, an adapter) is threaded out of three bodies. Before
+  # the fix, quantize and lora gave each body's copy a symbol of its own
+  # and the tree read two of them before they were defined (check_mox).
+  # Evaluations run under filter_jit: eager, the three calls cost 20 s.
   try:
     import esm2quinox
   except ImportError as e:
@@ -308,21 +440,31 @@ def test_esm2quinox():
     pytest.skip(msg)
   model = esm2quinox.ESM2(num_layers=2, embed_size=32, num_heads=4,
                           token_dropout=False, key=jax.random.key(0))
-  tokens = esm2quinox.tokenise(['MKTAYIAK'])[0]
-  fn = lambda m, t: m(t).logits
+  tokens = esm2quinox.tokenise(['MKTAYIAK', 'MKV', 'QQAYI'])
+  fn = lambda m, t: tuple(m(t[i]).logits for i in range(3))
   mox = _trace(fn, model, tokens)
   calls = _calls(mox)
-  assert ('ESM2', '') in calls and ('TransformerLayer', 'layers') in calls
+  assert calls.count(('ESM2', '')) == 6  # __call__ and _call, three times
+  assert ('TransformerLayer', 'layers') in calls
   assert ('Linear', 'layers/attn/query_proj') in calls
   assert ('Embedding', '<built>/Embedding') in calls
-  np.testing.assert_array_equal(yax.eval_mox(mox, model, tokens),
-                                fn(model, tokens))
+  np.testing.assert_array_equal(
+      _jitted(lambda m, t: yax.eval_mox(mox, m, t), model, tokens),
+      _jitted(fn, model, tokens))
   # The tied kernel is refused by quantize unless its readers go together.
   with pytest.raises(yax.SubstitutionError, match='also read by'):
     yax.quantize(mox, model, '//module_call[@type="Linear"]')
   sel = '//module_call[@type="Linear" and @path!="logit_head/linear2"]'
   q = yax.quantize(mox, model, sel, weight='int8')
   yax.check_mox(q.mox)
-  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, tokens),
-                             fn(_dequantized(q, model), tokens), rtol=1e-4,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+      _jitted(lambda p, t: yax.eval_mox(q.mox, p, t), q.params, tokens),
+      _jitted(fn, _dequantized(q, model), tokens), rtol=1e-4, atol=1e-5)
+  res = yax.lora(mox, model, '//module_call[@path="layers/linear1"]',
+                 rank=2, key=jax.random.key(3))
+  yax.check_mox(res.mox)
+  trained = jax.tree_util.tree_map(
+      lambda a: a + 0.01 if eqx.is_inexact_array(a) else a, res.params)
+  np.testing.assert_allclose(
+      _jitted(lambda p, t: yax.eval_mox(res.mox, p, t), trained, tokens),
+      _jitted(fn, res.merge(trained), tokens), rtol=1e-4, atol=1e-5)

@@ -139,10 +139,8 @@ def set_in(tree, keys: Sequence, value, *, _done: Sequence = ()):
   if record is not None:
     items = record[0](tree)
     key = same_key(items, key)
-    if key not in items and rest:
-      raise SubstitutionError(
-          f'cannot set {_keystr((*_done, key))} in the argument tree: '
-          f'{type(tree).__name__} has no field {key!r}')
+    # A missing field is a new one; below it, new levels are dicts (the
+    # variables of a module a rewrite added: ``PReLU_0/negative_slope``).
     items[key] = set_in(items.get(key), rest, value, _done=(*_done, key))
     return record[1](tree, items)
   if isinstance(tree, Mapping):

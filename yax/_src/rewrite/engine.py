@@ -477,6 +477,20 @@ class _Substitution:
         elif isinstance(key, _rules.ConstKey):
           enclosing.new_consts.append((var, const_values[key]))
         else:
+          # A variable this rewrite already made in the enclosing scope (a
+          # module called twice, each call reaching it through a jit body
+          # of its own): the equation reads that symbol, not a second one.
+          prior = (dict(enclosing.new_vars).get(key) if enclosing.is_body
+                   else self.added.get(key))
+          if prior is not None and prior is not var:
+            if not _same_type(prior, var):
+              raise SubstitutionError(
+                  f"cannot substitute inside {where}: the new variable "
+                  f"'{'/'.join(map(str, key))}' is passed in as "
+                  f'{var.type_str} here and as {prior.type_str} at another '
+                  'site')
+            inputs = [prior if s is var else s for s in inputs]
+            var = prior
           outer_vars.append((key, var))
       for f in reversed(self.stack):
         f.new_vars.extend(outer_vars)

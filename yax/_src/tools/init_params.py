@@ -33,6 +33,7 @@ from yax._src.ir.nodes import Mox, Symbol, iter_nodes
 from yax._src.ir.variables import (NNX_GROUP, key_name, location, unboxed_path,
                                    var_entries)
 from yax._src.rewrite.engine import collections_of
+from yax._src.trace import equinox as _eqx
 from yax._src.trace import nnx as _nnx
 
 
@@ -149,6 +150,8 @@ def init_params(mox: Mox, params, *, key):
                expected, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
            if isinstance(v, nnx.Variable)}
   have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
+  # An Equinox model holds its variables as plain arrays, not Variables.
+  plain = _eqx.holds_modules(params)
   declared = _declared(mox)
   inside = {col: tuple(p[2:]) for col, p in prefixes.items()}
   cache, values = {}, []
@@ -172,7 +175,7 @@ def init_params(mox: Mox, params, *, key):
     init = (node.inits or {}).get(keys)
     if init is not None:  # a rewrite's variable: a LoRA adapter, a scale
       values.extend(_recorded(node, init, keys, path, sym, folded, params,
-                              where, boxes))
+                              where, boxes, plain))
       continue
     if id(node) not in cache:
       cls = node.rebuild_ty
@@ -180,6 +183,9 @@ def init_params(mox: Mox, params, *, key):
         cache[id(node)] = _linen_variables(node, folded)
       elif isinstance(cls, type) and issubclass(cls, nnx.Module):
         cache[id(node)] = _nnx_variables(node, folded, where)
+      elif isinstance(cls, type) and _eqx.is_module_class(cls):
+        cache[id(node)] = _eqx.init_variables(cls, node.params, folded,
+                                              where)
       else:
         raise SubstitutionError(
             f'init_params: {where} is declared by {node.type_name} at path '
@@ -194,7 +200,7 @@ def init_params(mox: Mox, params, *, key):
           f'{sym.type_str}')
     if col == NNX_GROUP and path in boxes:
       value = jtu.tree_unflatten(boxes[path], [value])
-    elif col == NNX_GROUP:
+    elif col == NNX_GROUP and not plain:
       entry = next(e for e in var_entries(node)
                    if location(node, e) == loc)
       value = _nnx.variable_holding(entry.kind, value)
@@ -203,19 +209,20 @@ def init_params(mox: Mox, params, *, key):
 
 
 def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
-              boxes: dict):
+              boxes: dict, plain: bool):
   """``[(native key path, value), ...]`` that the record ``init`` of
   ``node`` (``Mox.inits``) makes for the variable at ``keys`` (relative to
   the call) whose native key path is ``path``: the other variables it
   reads and writes are at the same native prefix. ``boxes``: native key
-  path -> how the tree holds an NNX variable there (type and metadata)."""
+  path -> how the tree holds an NNX variable there (type and metadata);
+  ``plain``: new variables are plain arrays (an Equinox model)."""
   base = path[:len(path) - (len(keys) - 1)]
   native = lambda k: (*base, *k[1:])
 
   def read(k):
     try:
       value = _get(params, native(k))
-    except (KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError, AttributeError):
       raise SubstitutionError(
           f'init_params: {where} is made from '
           f"params{''.join(f'[{p!r}]' for p in native(k))}, which params "
@@ -232,13 +239,13 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
   for k, value in made.items():
     try:
       old = _get(params, native(k))
-    except (KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError, AttributeError):
       old = None
     if old is not None:  # stored anew (a kernel quantized with its scale)
       out.append((native(k), boxed_like(old, value)))
     elif k[0] == NNX_GROUP and native(k) in boxes:
       out.append((native(k), jtu.tree_unflatten(boxes[native(k)], [value])))
-    elif k[0] == NNX_GROUP:
+    elif k[0] == NNX_GROUP and not plain:
       out.append((native(k), _nnx.variable_holding(kinds[k], value)))
     else:
       out.append((native(k), value))
@@ -246,8 +253,8 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
 
 
 def _get(tree, keys):
-  for k in keys:
-    tree = tree[k]
+  for k in keys:  # an Equinox module's fields by name
+    tree = getattr(tree, k) if _eqx.is_module(tree) else tree[k]
   return tree
 
 

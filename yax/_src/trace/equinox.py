@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from jax import tree_util as jtu
 
-from yax._src.errors import YaxError
+from yax._src.errors import SubstitutionError, YaxError
 from yax._src.ir import containers as _containers
 from yax._src.ir.variables import key_name, variable_treedef
 from yax._src.trace.calls import is_traced_value, marked_call
@@ -50,6 +50,11 @@ except ImportError:  # pragma: no cover - equinox is not installed
 def is_module(x) -> bool:
   """An Equinox module (an instance of an ``eqx.Module`` subclass)."""
   return eqx is not None and isinstance(x, eqx.Module)
+
+
+def is_module_class(cls: type) -> bool:
+  """An ``eqx.Module`` subclass."""
+  return eqx is not None and issubclass(cls, eqx.Module)
 
 
 # ------------------------------------------------------------ root leaves
@@ -408,3 +413,43 @@ def _rebuild(like, items: dict):
 
 if eqx is not None:
   _containers.register_record(is_module, _fields, _rebuild)
+
+
+# ------------------------------------------------ a module built anew
+
+def init_variables(cls: type, attributes: dict, key, where: str) -> dict:
+  """``{field name: array}`` of a new ``cls`` module, built by its own
+  ``__init__``: a parameter named ``key`` gets ``key``, the others the
+  values the trace recorded as the call's attributes (static fields and
+  fields that hold no array), or their defaults.
+
+  ``where`` names the variable asked for (for the error raised when
+  ``__init__`` needs an argument the trace did not record).
+
+  Example::
+
+      init_variables(eqx.nn.PReLU, {'name': 'PReLU_0'}, jax.random.key(0),
+                     "params['PReLU_0']['negative_slope']")
+      # {'negative_slope': Array([0.25], dtype=float32)}
+  """
+  signature = inspect.signature(cls.__init__)
+  kwargs, missing = {}, []
+  for name, p in list(signature.parameters.items())[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+      continue
+    if name == 'key':
+      kwargs['key'] = key
+    elif name in attributes and name != 'name':
+      kwargs[name] = attributes[name]
+    elif p.default is p.empty:
+      missing.append(name)
+  if missing:
+    raise SubstitutionError(
+        f'init_params: {where} is declared by the Equinox module '
+        f'{cls.__name__}, whose __init__ needs {missing}, which the trace '
+        'did not record (it recorded '
+        f'{sorted(k for k in attributes if k != "name")}); make them fields '
+        'of the module, or pass the variable in params')
+  module = cls(**kwargs)
+  return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+          if eqx.is_array(getattr(module, f.name, None))}
