@@ -322,21 +322,53 @@ def _treedef_of(entries: tuple):
 def _variables(module) -> tuple[list, Any]:
   """The traced arrays of ``module`` (its submodules' included), keyed by
   field path; the inexact ones are parameters (kind ``Param``), the others
-  buffers (kind ``Buffer``)."""
+  buffers (kind ``Buffer``). The layout is computed once per module
+  structure (treedef and which leaves are traced, inexact or not)."""
+  leaves, treedef = jtu.tree_flatten(module)
+  kinds = tuple(_leaf_kind(x) for x in leaves)
+  key = (treedef, kinds)
+  try:
+    found = _LAYOUTS.get(key)
+  except TypeError:  # a static field that cannot be hashed: no cache
+    key, found = None, None
+  if found is None:
+    found = _layout(module, kinds)
+    if key is not None and len(_LAYOUTS) < 4096:
+      _LAYOUTS[key] = found
+  var_tree, order = found
+  return [leaves[i] for i in order], var_tree
+
+
+_LAYOUTS: dict = {}  # (treedef, kinds) -> (variable treedef, leaf order)
+
+
+def _leaf_kind(x) -> bool | None:
+  """None: not traced; else whether it is inexact (a parameter)."""
+  return _is_inexact(x.dtype) if is_traced_value(x) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _is_inexact(dtype) -> bool:
+  return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def _layout(module, kinds: tuple) -> tuple[Any, tuple[int, ...]]:
+  """``(variable treedef, positions)``: the ``VariableTree`` of the traced
+  leaves of ``module`` and, for each of its leaves in flattening order,
+  the leaf's position among the module's leaves."""
   own_keys = {id(x) for x in jtu.tree_leaves(
       module, is_leaf=lambda x: x is not module and is_module(x))}
-  entries, leaves = [], []
-  for keypath, leaf in jtu.tree_flatten_with_path(module)[0]:
-    if not is_traced_value(leaf):
+  entries, positions = [], []
+  for i, (keypath, leaf) in enumerate(jtu.tree_flatten_with_path(module)[0]):
+    if kinds[i] is None:
       continue
-    inexact = jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
-    entries.append((_keys(keypath), ('Param' if inexact else 'Buffer',
-                                     bool(inexact), id(leaf) in own_keys)))
-    leaves.append(leaf)
+    entries.append((_keys(keypath), ('Param' if kinds[i] else 'Buffer',
+                                     kinds[i], id(leaf) in own_keys)))
+    positions.append(i)
   if not entries:
-    return [], _treedef_of(())
+    return _treedef_of(()), ()
   treedef = _treedef_of(tuple(entries))
-  return [leaves[i] for i in _leaf_order(treedef)], treedef
+  return treedef, tuple(positions[j] for j in _leaf_order(treedef))
 
 
 @functools.lru_cache(maxsize=4096)
