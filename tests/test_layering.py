@@ -504,13 +504,6 @@ SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
         "boxes adapters like a kernel's nn.meta.AxisMetadata",
     ('_src.rewrite.contraction', 'flax.linen'):
         "rebuilds a Linen module to find a stacked kernel's axes",
-    **{(m, '_src.trace.nnx'): 'not yet routed through trace/systems.py'
-       for m in ('_src.cli.main', '_src.report.export', '_src.report.summary',
-                 '_src.rewrite.engine', '_src.tools.init_params',
-                 '_src.tools.lora', '_src.tools.quantize',
-                 '_src.views.serialize')},
-    ('_src.rewrite.engine', '_src.trace.equinox'):
-        'not yet routed through trace/systems.py',
 }
 
 
