@@ -126,6 +126,13 @@ def test_exact_plan_meets_the_budget_with_less_recompute_than_remat(mox):
     assert row.path in text and row.choice in text
     assert row.after < row.before
   assert f'{plan.memory:,}' in text
+  # The same choices on a trace at another batch size.
+  x2 = jax.random.normal(jax.random.key(2), (5, 8))
+  other = check_rewrite(plan.apply(yax.make_mox(NET.apply)(VARS, x2)))
+  assert_trees_close(
+      jax.grad(lambda p: out_loss(yax.eval_mox(other, p, x2)))(VARS),
+      jax.grad(lambda p: out_loss(NET.apply(p, x2)))(VARS),
+      rtol=1e-5, atol=1e-5)
 
 
 def test_plan_with_approximate_choices_meets_the_budget(mox):

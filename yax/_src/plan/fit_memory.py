@@ -97,6 +97,9 @@ class MemoryPlan:
       (measured on the planned tree).
     takes_sketch_key: True when a call is randomized.
     report: the ``memory_report`` of the planned tree.
+    steps: the choices as ``(path, kind, argument)`` (kind ``lean_norm``,
+      ``remat``, ``fewbit``, ``randomized``; argument the policy, bits or
+      ratio), in the order :meth:`apply` makes them.
   """
   mox: Mox
   table: tuple[PlanRow, ...]
@@ -106,6 +109,25 @@ class MemoryPlan:
   added_flops: int
   takes_sketch_key: bool
   report: MemoryReport
+  steps: tuple[tuple[tuple, str, object], ...] = ()
+
+  def apply(self, mox: Mox) -> Mox:
+    """The same choices made on another trace of the same model (another
+    batch size or sequence length): the calls are found by path.
+
+    Example::
+
+        plan = yax.fit_memory(small_mox, loss, budget=0.5)
+        big = plan.apply(yax.make_mox(model.apply)(variables, big_batch))
+    """
+    for path, kind, arg in self.steps:
+      if not _calls_at(mox, path):
+        raise SubstitutionError(
+            f'MemoryPlan.apply: the plan chose {kind} for the module call at '
+            f'{"/".join(path) or "the root path"}, which this tree does not '
+            'have')
+      mox = _apply(mox, kind, arg, [path])
+    return mox
 
   def __str__(self) -> str:
     width = max([len(r.path) for r in self.table] + [12])
@@ -289,9 +311,7 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
 
   def build(chosen: dict) -> Mox:
     tree = mox
-    # remat last: it moves a call's body into a checkpoint equation.
-    for opt in sorted(chosen.values(),
-                      key=lambda o: (o.kind == 'remat', o.path)):
+    for opt in _in_order(chosen):
       tree = _apply(tree, opt.kind, opt.arg, [opt.path])
     return tree
 
@@ -329,6 +349,11 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   chosen, tree, report, flops = best
   return _plan(mox, tree, chosen, base_report, report, baseline, limit,
                flops - base_flops, types)
+
+
+def _in_order(chosen: dict) -> list[_Option]:
+  """remat last: it moves a call's body into a checkpoint equation."""
+  return sorted(chosen.values(), key=lambda o: (o.kind == 'remat', o.path))
 
 
 def _estimate(base_report: MemoryReport, chosen: dict) -> int:
@@ -467,4 +492,5 @@ def _plan(mox, tree, chosen, base_report, report, baseline, limit, added,
       mox=tree, table=rows, memory=report.training, baseline=baseline,
       budget=limit, added_flops=added,
       takes_sketch_key=any(o.kind == 'randomized' for o in chosen.values()),
-      report=report)
+      report=report,
+      steps=tuple((o.path, o.kind, o.arg) for o in _in_order(chosen)))
