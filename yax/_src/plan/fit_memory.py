@@ -25,16 +25,17 @@ the bytes it saves (``memory_report``'s total before and after) and the
 FLOPs it adds to the gradient computation (``report/flops.py`` on the Jaxpr
 of ``jax.grad``, which follows XLA's cost analysis conventions). Calls of
 the same type and input types (the layers of a stack) are measured
-together, once. At most one choice is made per module call, and never for
-a call inside another chosen one. The greedy loop then takes, while the
+together, once. At most one choice is made per module call, and two chosen
+calls never change the same report row (a remat takes every row under its
+call). The greedy loop then takes, while the
 estimate is above the budget, the choice of the least added FLOPs per byte
-saved (an exact one before an approximate one at equal cost; a choice may
-replace one made at the same call or inside it when it saves more), and
-checks the rewritten tree with ``memory_report``; when the check is over
-the budget, the loop goes on from the measured memory. The least memory
-the planner can reach is that of the choices saving the most bytes (one
-per call, none nested), checked the same way; a budget below it is
-refused.
+saved (an exact one before an approximate one at equal cost; a choice
+replaces those whose report rows it changes when it saves more than they
+do), and checks the rewritten tree with ``memory_report``; when the check
+is over the budget, the loop goes on from the measured memory. When the
+cheap choices run out, the choices that save the most bytes (taken
+greedily by bytes) are checked the same way; a budget below every checked
+memory is refused, naming the least.
 """
 
 from __future__ import annotations
@@ -321,16 +322,7 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     report, flops = measure(tree, sketched)
     return tree, report, flops
 
-  least = _greedy(options, {}, lambda cost, saved, opt: -saved)
-  tree, report, flops = check(least)
-  if report.training > limit:
-    raise SubstitutionError(
-        f'fit_memory: the budget {limit:,} bytes ({limit / baseline:.3f} of '
-        f'the baseline\'s training memory {baseline:,}) is below the least '
-        f'training memory the choices {", ".join(choices)} reach: '
-        f'{report.training:,} bytes ({report.training / baseline:.3f} of the '
-        f'baseline). The tree is unchanged.')
-  best = (least, tree, report, flops)
+  checked = []  # (memory, chosen, tree, report, flops) of each check
   chosen: dict = {}
   shift = 0
   for _ in range(len(options) + 1):
@@ -340,13 +332,26 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
         break
       _take(chosen, pick)
     tree, report, flops = check(chosen)
-    if report.training <= limit:
-      best = (dict(chosen), tree, report, flops)
+    checked.append((report.training, dict(chosen), tree, report, flops))
+    if report.training <= limit or \
+        _next_option(options, chosen, _cheapest) is None:
       break
-    if _next_option(options, chosen, _cheapest) is None:
-      break  # nothing saves more: the least-memory choices are the plan
     shift = report.training - _estimate(base_report, chosen)
-  chosen, tree, report, flops = best
+  if checked[-1][0] > limit:
+    # The cheap choices ran out: the choices that save the most bytes.
+    least = _greedy(options, {}, lambda cost, saved, opt: -saved)
+    tree, report, flops = check(least)
+    checked.append((report.training, least, tree, report, flops))
+  met = [c for c in checked if c[0] <= limit]
+  if not met:
+    least = min(c[0] for c in checked)
+    raise SubstitutionError(
+        f'fit_memory: the budget {limit:,} bytes ({limit / baseline:.3f} of '
+        f"the baseline's training memory {baseline:,}) is below the least "
+        f'training memory the choices {", ".join(choices)} reach: '
+        f'{least:,} bytes ({least / baseline:.3f} of the baseline). The '
+        'tree is unchanged.')
+  memory, chosen, tree, report, flops = met[0]
   return _plan(mox, tree, chosen, base_report, report, baseline, limit,
                flops - base_flops, types)
 
