@@ -156,11 +156,14 @@ def plans(mox, labels, choices) -> dict:
   """``yax.fit_memory`` of ``mox`` at each budget: name -> the plan, or a
   string saying why there is none."""
   out = {}
+
+  def loss(logits):  # one function: the planner measures the tree once
+    return cross_entropy(logits, labels)
+
   for budget in PLAN_BUDGETS:
     t0 = time.perf_counter()
     try:
-      plan = yax.fit_memory(mox, lambda logits: cross_entropy(logits, labels),
-                            budget=budget, choices=choices)
+      plan = yax.fit_memory(mox, loss, budget=budget, choices=choices)
     except yax.SubstitutionError as e:  # a budget below the least reachable
       out[f'plan {budget}'] = 'refused: ' + str(e).split(' reach: ')[-1]
       continue

@@ -56,6 +56,11 @@ from yax._src.tools.remat import remat
 from yax._src.trace.eval import eval_mox
 
 CHOICES = ('lean_norm', 'remat', 'fewbit', 'randomized')
+# The measurements of the last tree planned: [tree, loss, (choices, bits,
+# ratios, policies), (baseline report, baseline FLOPs, options)], matched
+# by the identity of the tree and the loss (a tree is never changed in
+# place), so that planning one tree at several budgets measures it once.
+_MEASURED: list = []
 # The exact choices (gradients equal the original's within float rounding).
 EXACT = ('lean_norm', 'remat')
 
@@ -298,7 +303,14 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     return step_memory(step(tree, sketched), params, rest, dict(kw),
                        flops=True)
 
-  base_report, base_flops = measure(mox, False)
+  asked = (tuple(choices), tuple(bits), tuple(ratios), tuple(policies))
+  hit = args is None and _MEASURED and _MEASURED[0] is mox and \
+      _MEASURED[1] is loss and _MEASURED[2] == asked
+  if hit:
+    base_report, base_flops, options = _MEASURED[3]
+  else:
+    base_report, base_flops = measure(mox, False)
+    options = None
   baseline = base_report.training
   limit = in_bytes if fraction is None else int(fraction * baseline)
   types = {n.path: n.type_name or '' for n in iter_nodes(mox)
@@ -307,8 +319,11 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     return MemoryPlan(mox, (), baseline, baseline, limit, 0, False,
                       base_report)
 
-  options = _options(mox, types, choices, bits, ratios, policies, measure,
-                     base_report, base_flops)
+  if options is None:
+    options = _options(mox, types, choices, bits, ratios, policies, measure,
+                       base_report, base_flops)
+    if args is None:
+      _MEASURED[:] = [mox, loss, asked, (base_report, base_flops, options)]
 
   def build(chosen: dict) -> Mox:
     tree = mox
