@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, str]] = [
     ('_src.rewrite', 'the rewrite engine and the analyses tools share: selection and substitution, patterns, contractions, quantized formats'),
     ('_src.tools', 'tools: clients of the engine, which never import each other'),
     ('_src.report', 'what a tree holds and costs (summary, FLOPs) and the viewers (HTML, Model Explorer); above the tools, as the summary reads variable locations through the engine'),
+    ('_src.plan', 'planners that compose the tools and measure with the reports (fit_memory); above the reports, as a plan is checked by them'),
     ('_src.cli', 'the command line and its bundled example models'),
     ('', 'public surface'),
 ]
