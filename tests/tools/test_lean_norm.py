@@ -6,6 +6,7 @@ JAX's saved residuals: each norm keeps its input and per-row statistics
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -106,7 +107,48 @@ def test_refusals_and_input_unchanged():
   new = check_rewrite(yax.lean_norm(mox, fixed))
   np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
                              rtol=1e-5, atol=1e-5)
-  with pytest.raises(yax.SubstitutionError, match='not a flax.linen LayerNorm'):
+  with pytest.raises(yax.SubstitutionError, match='not a flax.linen or flax.nnx LayerNorm'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x),
         '//module_call[@type="Dense"]')
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.d = nnx.Linear(5, 16, rngs=rngs)
+    self.ln = nnx.LayerNorm(16, rngs=rngs)
+    self.rms = nnx.RMSNorm(16, epsilon=1e-5, rngs=rngs)
+    self.o = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.o(self.rms(self.ln(self.d(x))))
+
+
+def test_nnx_norms_keep_their_call_and_input_and_row_statistics():
+  graphdef, state = nnx.split(NnxNet(nnx.Rngs(0)))
+  state = perturbed(state)
+  x = 2.0 * jax.random.normal(jax.random.key(1), (6, 5)) + 1.0
+  plain = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(plain)(state, x)
+  before = mox.to_json()
+  new = check_rewrite(yax.lean_norm(mox))
+  assert mox.to_json() == before
+  # Each NNX call keeps its type, path and variables, marked lean="norm".
+  assert yax.query('//module_call[@lean="norm"]/@type', new) == [
+      'LayerNorm', 'RMSNorm']
+  mine = lambda s, x: yax.eval_mox(new, s, x)
+  np.testing.assert_allclose(mine(state, x), plain(state, x), rtol=1e-5,
+                             atol=1e-5)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(state, x),
+                     jax.grad(loss(plain), (0, 1))(state, x),
+                     rtol=2e-4, atol=2e-5)
+  lean = saved_residuals(loss(mine), state, x)
+  # ln keeps its input, mean and rstd; rms its input and rstd; the last
+  # Linear its input (rms's output); the loss cos of the output.
+  assert lean == sorted(['f32[6,16]'] * 3 + ['f32[6,1]'] * 3 + ['f32[6,4]'])
+  assert saved_residuals(loss(plain), state, x).count('f32[6,16]') > 6
+  # The module object form (the model itself traced) as well.
+  model = nnx.merge(graphdef, state)
+  direct = check_rewrite(yax.lean_norm(yax.make_mox(model)(x)))
+  np.testing.assert_allclose(yax.eval_mox(direct, x), model(x), rtol=1e-5,
+                             atol=1e-5)

@@ -15,9 +15,11 @@ features.
 
 The forward pass computes the norm in float32 as Flax does (equal within
 float rounding, not bit for bit: Flax's fast variance is ``E[x^2] -
-E[x]^2``, used here too). A selected call is substituted by a
+E[x]^2``, used here too). A selected Linen call is substituted by a
 ``LeanNorm`` module call at the same path reading the same ``scale`` and
-``bias`` variables.
+``bias`` variables. An NNX call (``nnx.LayerNorm``/``nnx.RMSNorm``) keeps
+its type, path, fields and variables; its body becomes the ``custom_vjp``
+and it gains the field ``lean="norm"``.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Mox
+from yax._src.ir.nodes import Literal, Mox
 from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
 from yax._src.trace.make import make_mox
 
@@ -114,6 +118,8 @@ class LeanNorm(nn.Module):
 
 
 _SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
+# NNX norms keep their call (type, path, variables); only the body changes.
+_NNX = {nnx.LayerNorm: False, nnx.RMSNorm: True}
 
 
 def _last_axis(value) -> bool:
@@ -121,9 +127,13 @@ def _last_axis(value) -> bool:
 
 
 def _why_not(node) -> str | None:
-  if not isinstance(node, Mox) or node.module_ty not in _SUPPORTED:
-    return ('it is not a flax.linen LayerNorm or RMSNorm call (lean_norm '
-            'rewrites those)')
+  if not isinstance(node, Mox) or (node.module_ty not in _SUPPORTED and
+                                   node.module_ty not in _NNX):
+    return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
+            '(lean_norm rewrites those)')
+  if node.rewritten:
+    return ('another rewrite changed its variables (rewritten="true"); '
+            'lean_norm reads a norm\'s own scale and bias')
   p = node.params
   if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
       p.get('feature_axes', -1)):
@@ -135,10 +145,59 @@ def _why_not(node) -> str | None:
   if len(node.arg_inputs) != 1:
     return f'it takes {len(node.arg_inputs)} arguments, expected one'
   x = node.arg_inputs[0]
+  if isinstance(x, Literal) or not getattr(x.aval, 'shape', ()):
+    return 'its argument is not a traced array with a feature axis'
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
+  if node.module_ty in _NNX:
+    names = _nnx_names(node)
+    wanted = {'scale'} if p.get('use_scale', True) else set()
+    if p.get('use_bias', True) and not _NNX[node.module_ty]:
+      wanted.add('bias')
+    if names is None or set(names) != wanted:
+      return (f'it reads the variables {names!r}, expected '
+              f'{sorted(wanted)!r} (its own scale/bias)')
   return None
+
+
+def _nnx_names(node: Mox) -> list | None:
+  """The name of each variable input of an NNX call, in input order, or
+  None when they are not top-level names."""
+  names = []
+  for path, _ in jtu.tree_flatten_with_path(
+      jtu.tree_unflatten(node.var_tree, list(range(node.num_vars))))[0]:
+    if len(path) != 1:
+      return None
+    key = path[0]
+    names.append(getattr(key, 'key', getattr(key, 'name', None)))
+  return names
+
+
+def _nnx_replacement(node: Mox) -> Mox:
+  """The NNX call with its body replaced by the lean ``custom_vjp``: same
+  inputs (variables, then ``x``), outputs, type, path and fields."""
+  p = node.params
+  rms = _NNX[node.module_ty]
+  use_scale = p.get('use_scale', True)
+  use_bias = p.get('use_bias', True) and not rms
+  fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
+  names = _nnx_names(node)
+
+  def run(values):
+    own = dict(zip(names, values[:node.num_vars]))
+    return fn(values[node.num_vars], own.get('scale'), own.get('bias'))
+
+  root = make_mox(run)([jax.ShapeDtypeStruct(tuple(s.aval.shape),
+                                             s.aval.dtype)
+                        for s in node.inputs])
+  call = Mox(root.inputs, root.outputs, {**p, 'lean': 'norm'},
+             children=root.children, module_ty=node.module_ty,
+             entrypoint=node.entrypoint, path=node.path,
+             in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             constvars=root.constvars, consts=root.consts)
 
 
 def lean_norm(mox: Mox, selection=None) -> Mox:
@@ -147,12 +206,13 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath or node list of ``flax.linen`` ``LayerNorm`` /
-    ``RMSNorm`` calls; ``None`` selects every one.
+  - ``selection``: XPath or node list of ``flax.linen`` or ``flax.nnx``
+    ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every one.
 
-  **Returns:** the new tree: each selected call is a ``LeanNorm`` call at
-  the same path, reading the same ``scale``/``bias``; outputs equal the
-  original's within float rounding, gradients exact.
+  **Returns:** the new tree: each selected Linen call is a ``LeanNorm``
+  call at the same path, reading the same ``scale``/``bias``; each NNX
+  call keeps its type, path and variables and gains ``lean="norm"``;
+  outputs equal the original's within float rounding, gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
   rewrite (not a Linen LayerNorm/RMSNorm, another axis, a cross-device
@@ -182,6 +242,8 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
 
   def replace(path, node):
     del path
+    if node.module_ty in _NNX:
+      return _nnx_replacement(node)
     p = node.params
     x = node.arg_inputs[0]
     module = LeanNorm(rms=_SUPPORTED[node.module_ty],
