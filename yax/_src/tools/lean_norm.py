@@ -20,6 +20,18 @@ E[x]^2``, used here too). A selected Linen call is substituted by a
 ``bias`` variables. An NNX call (``nnx.LayerNorm``/``nnx.RMSNorm``) keeps
 its type, path, fields and variables; its body becomes the ``custom_vjp``
 and it gains the field ``lean="norm"``.
+
+With ``activations=``, element-wise activations keep one tensor too.
+JAX's autodiff of an activation keeps what its derivative's formula reads:
+GELU's tanh form keeps its input, its square, the tanh and more (four or
+five full-size tensors), SiLU its input and the sigmoid. A
+``LeanActivation`` call keeps only its input ``x`` and, in the backward
+pass, computes ``f'(x) * g`` from it again (``jax.vjp`` of the same
+function at ``x``: the gradient of plain code, recomputed element-wise).
+Activations are found by data flow as ``yax.fewbit`` finds them (the same
+list: GELU in both forms, SiLU, ReLU, ...), and a ``FewBit`` call is left
+as it is: ``fewbit`` then ``lean_norm(activations=True)`` keeps fewbit's
+codes where fewbit chose and one tensor everywhere else.
 """
 
 from __future__ import annotations
@@ -33,8 +45,10 @@ from flax import nnx
 from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Literal, Mox
+from yax._src.ir.nodes import Literal, Mox, iter_nodes
+from yax._src.rewrite import activations as _activations
 from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
+from yax._src.views.query import query
 from yax._src.trace.make import make_mox
 
 DEFAULT = '//module_call[@type="LayerNorm" or @type="RMSNorm"]'
@@ -200,7 +214,97 @@ def _nnx_replacement(node: Mox) -> Mox:
              constvars=root.constvars, consts=root.consts)
 
 
-def lean_norm(mox: Mox, selection=None) -> Mox:
+@functools.lru_cache(maxsize=None)
+def lean_activation_function(name: str, slope: float | None = None):
+  """The activation ``name`` (a key of the activations ``fewbit`` finds)
+  whose backward pass keeps its input only; ``slope``: leaky ReLU's
+  negative slope where it is not the default."""
+  fn = _activations.ACTIVATIONS[name]
+  if slope is not None:
+    fn = functools.partial(fn, negative_slope=slope)
+
+  @jax.custom_vjp
+  def f(x):
+    return fn(x)
+
+  def f_fwd(x):
+    return fn(x), x
+
+  def f_bwd(x, g):
+    return jax.vjp(fn, x)[1](g)
+
+  f.defvjp(f_fwd, f_bwd)
+  f.__name__ = f'lean_{name}'
+  return f
+
+
+class LeanActivation(nn.Module):
+  """An element-wise activation (``name``, as ``FewBit``'s) whose backward
+  pass keeps its input only and recomputes the derivative from it."""
+  slope: float | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    return lean_activation_function(self.name, self.slope)(x)
+
+
+class _ActivationReplacement:
+  """``(path, group node) -> LeanActivation`` call traced at its input."""
+
+  def __init__(self):
+    self.cache: dict = {}
+
+  def __call__(self, path, node: Mox) -> Mox:
+    del path
+    (x,) = node.arg_inputs
+    slope = None
+    if node.name == 'leaky_relu':
+      slopes = [v for v in map(_activations.leaky_slope, iter_nodes(node))
+                if v is not None]
+      # The default slope (as the trace's float32 rounds it) stays None.
+      if slopes and float(jnp.float32(slopes[0])) != float(
+          jnp.float32(_activations.LEAKY_SLOPE)):
+        slope = slopes[0]
+    key = (node.name, slope, tuple(x.aval.shape), jnp.dtype(x.aval.dtype))
+    traced = self.cache.get(key)
+    if traced is None:
+      module = LeanActivation(name=node.name, slope=slope)
+      spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
+      traced = self.cache[key] = make_mox(module.apply)({}, spec)
+    return traced
+
+
+def _lean_activations(mox: Mox, where) -> Mox:
+  """Every supported activation under ``where`` (True: the whole tree; an
+  XPath: the module calls it selects) as a ``LeanActivation`` call."""
+  within = None
+  if where is not True:
+    within = list(select(where, mox).targets)
+    if not all(isinstance(n, Mox) for n in within):
+      raise SubstitutionError(
+          f'lean_norm: activations={where!r} must select module calls to '
+          f'search; it holds '
+          f'{describe(next(n for n in within if not isinstance(n, Mox)))}')
+  found = _activations.find(mox, within)
+  done = [n for top in (within or [mox]) for n in iter_nodes(top)
+          if isinstance(n, Mox) and n.type_name in _activations.REWRITTEN]
+  if not found and done:  # every activation is FewBit or lean already
+    return mox
+  if not found:
+    ops = _activations.elementwise_found(within if within is not None
+                                         else [mox])
+    place = 'the tree' if where is True else repr(where)
+    raise SubstitutionError(
+        f'lean_norm: activations={where!r} found no supported activation '
+        f'in {place} (FewBit and LeanActivation calls are left as they '
+        f'are); found the element-wise operations '
+        f'{", ".join(ops) or "(none)"}; supported: '
+        f'{", ".join(_activations.ACTIVATIONS)}')
+  tree, nodes = _activations.group(mox, found)
+  return substitute(nodes, _ActivationReplacement(), tree).mox
+
+
+def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   """LayerNorm/RMSNorm calls that keep their input and per-row statistics
   for the backward pass, with exact gradients.
 
@@ -212,7 +316,9 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
   **Returns:** the new tree: each selected Linen call is a ``LeanNorm``
   call at the same path, reading the same ``scale``/``bias``; each NNX
   call keeps its type, path and variables and gains ``lean="norm"``;
-  outputs equal the original's within float rounding, gradients exact.
+  each activation found is a ``LeanActivation`` call (attribute ``name``:
+  the activation). Outputs equal the original's within float rounding
+  (activations: bit for bit), gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
   rewrite (not a Linen LayerNorm/RMSNorm, another axis, a cross-device
@@ -221,12 +327,20 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
 
   Example::
 
-      lean = yax.lean_norm(mox)
+      lean = yax.lean_norm(mox, activations=True)
       grads = jax.grad(lambda p: loss(yax.eval_mox(lean, p, x)))(params)
   """
   if not isinstance(mox, Mox):
     raise SubstitutionError(
         f'lean_norm expects a Mox, found {type(mox).__name__}')
+  if activations is not False and activations is not True and \
+      not isinstance(activations, str):
+    raise SubstitutionError(
+        f'lean_norm: activations must be False, True or an XPath of module '
+        f'calls, found {activations!r}')
+  if selection is None and activations is not False and \
+      not query(DEFAULT, mox):
+    return _lean_activations(mox, activations)
   chosen = select(DEFAULT if selection is None else selection, mox)
   problems = [(n, why) for n in chosen.targets
               if (why := _why_not(n)) is not None]
@@ -257,4 +371,7 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
     variables = jax.eval_shape(module.init, jax.random.key(0), spec)
     return make_mox(module.apply)(variables, spec)
 
-  return substitute(chosen, replace, mox).mox
+  new = substitute(chosen, replace, mox).mox
+  if activations is False:
+    return new
+  return _lean_activations(new, activations)
