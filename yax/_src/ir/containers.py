@@ -58,6 +58,12 @@ def register_record(is_record: Callable, items: Callable,
   _RECORDS.append((is_record, items, build))
 
 
+def is_record(tree) -> bool:
+  """Whether ``tree`` is a registered record (an Equinox module): its
+  params are its fields, read by name."""
+  return _record(tree) is not None
+
+
 def _record(tree):
   """``(items, build)`` of a registered record, else None."""
   for is_record, items, build in _RECORDS:

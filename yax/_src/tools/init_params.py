@@ -28,13 +28,12 @@ from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like
-from yax._src.ir.containers import set_many
+from yax._src.ir.containers import is_record, set_many
 from yax._src.ir.nodes import Mox, Symbol, iter_nodes
 from yax._src.ir.variables import (NNX_GROUP, key_name, location, unboxed_path,
                                    var_entries)
 from yax._src.rewrite.engine import collections_of
-from yax._src.trace import equinox as _eqx
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 
 
 def _declared(mox: Mox) -> dict:
@@ -150,8 +149,9 @@ def init_params(mox: Mox, params, *, key):
                expected, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
            if isinstance(v, nnx.Variable)}
   have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
-  # An Equinox model holds its variables as plain arrays, not Variables.
-  plain = _eqx.holds_modules(params)
+  # How params hold a new variable: an NNX Variable in an NNX state, a
+  # plain array in an Equinox model.
+  box = _systems.new_variable_boxer(params)
   declared = _declared(mox)
   inside = {col: tuple(p[2:]) for col, p in prefixes.items()}
   cache, values = {}, []
@@ -175,7 +175,7 @@ def init_params(mox: Mox, params, *, key):
     init = (node.inits or {}).get(keys)
     if init is not None:  # a rewrite's variable: a LoRA adapter, a scale
       values.extend(_recorded(node, init, keys, path, sym, folded, params,
-                              where, boxes, plain))
+                              where, boxes, box))
       continue
     if id(node) not in cache:
       cls = node.rebuild_ty
@@ -183,9 +183,9 @@ def init_params(mox: Mox, params, *, key):
         cache[id(node)] = _linen_variables(node, folded)
       elif isinstance(cls, type) and issubclass(cls, nnx.Module):
         cache[id(node)] = _nnx_variables(node, folded, where)
-      elif isinstance(cls, type) and _eqx.is_module_class(cls):
-        cache[id(node)] = _eqx.init_variables(cls, node.params, folded,
-                                              where)
+      elif isinstance(cls, type) and _systems.is_record_module(cls):
+        cache[id(node)] = _systems.record_module_variables(
+            cls, node.params, folded, where)
       else:
         raise SubstitutionError(
             f'init_params: {where} is declared by {node.type_name} at path '
@@ -200,22 +200,22 @@ def init_params(mox: Mox, params, *, key):
           f'{sym.type_str}')
     if col == NNX_GROUP and path in boxes:
       value = jtu.tree_unflatten(boxes[path], [value])
-    elif col == NNX_GROUP and not plain:
+    elif col == NNX_GROUP:
       entry = next(e for e in var_entries(node)
                    if location(node, e) == loc)
-      value = _nnx.variable_holding(entry.kind, value)
+      value = box(NNX_GROUP, entry.kind, value)
     values.append((path, value))
   return set_many(params, values)
 
 
 def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
-              boxes: dict, plain: bool):
+              boxes: dict, box):
   """``[(native key path, value), ...]`` that the record ``init`` of
   ``node`` (``Mox.inits``) makes for the variable at ``keys`` (relative to
   the call) whose native key path is ``path``: the other variables it
   reads and writes are at the same native prefix. ``boxes``: native key
   path -> how the tree holds an NNX variable there (type and metadata);
-  ``plain``: new variables are plain arrays (an Equinox model)."""
+  ``box``: how params hold a new variable (``new_variable_boxer``)."""
   base = path[:len(path) - (len(keys) - 1)]
   native = lambda k: (*base, *k[1:])
 
@@ -245,8 +245,8 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
       out.append((native(k), boxed_like(old, value)))
     elif k[0] == NNX_GROUP and native(k) in boxes:
       out.append((native(k), jtu.tree_unflatten(boxes[native(k)], [value])))
-    elif k[0] == NNX_GROUP and not plain:
-      out.append((native(k), _nnx.variable_holding(kinds[k], value)))
+    elif k[0] == NNX_GROUP:
+      out.append((native(k), box(NNX_GROUP, kinds[k], value)))
     else:
       out.append((native(k), value))
   return out
@@ -254,7 +254,7 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
 
 def _get(tree, keys):
   for k in keys:  # an Equinox module's fields by name
-    tree = getattr(tree, k) if _eqx.is_module(tree) else tree[k]
+    tree = getattr(tree, k) if is_record(tree) else tree[k]
   return tree
 
 
