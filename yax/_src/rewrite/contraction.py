@@ -311,7 +311,8 @@ def _kernel_use(flat: _Flattener, node: Mox, kernel_index: int):
       return f'its kernel is read by {name}, not only by a contraction'
   outputs = {flat.canon(s) for s in node.outputs if not isinstance(s, Literal)}
   if any(s in derived for s in outputs):
-    return 'it returns its kernel'
+    return ('it returns its kernel (the module that calls it contracts '
+            'it, in another module call than the one holding it)')
   if not uses:
     return 'its kernel reaches no dot_general or convolution'
   if len(uses) > 1:
@@ -588,6 +589,19 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
               f'rewrite: {why}')
     listed = ', '.join('/'.join(k) + ':' + s.type_str
                        for k, s in zip(keys, node.var_inputs, strict=True))
+    own = set(_own_params(node))
+    held = [i for i, e in enumerate(var_entries(node))
+            if i not in own and e.is_param
+            and node.var_inputs[i].aval is not None
+            and node.var_inputs[i].aval.ndim >= 2
+            and _reaches_contraction(node, i)]
+    if held:
+      names = ', '.join('/'.join(keys[i]) for i in held)
+      return (f'the kernels it contracts ({names}) are variables of its '
+              'submodules, not its own (a submodule that returns its '
+              'weight, as gemma 4 MoERagged reads its experts); a kernel '
+              'rewrite needs the module that holds a kernel to contract '
+              'it, which YAX does not rewrite across module calls')
     return ('it has no parameter of 2 or more axes that reaches a '
             'dot_general or convolution (a kernel); its variables are '
             f"[{listed or 'none'}]")
