@@ -594,7 +594,7 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
             if i not in own and e.is_param
             and node.var_inputs[i].aval is not None
             and node.var_inputs[i].aval.ndim >= 2
-            and _reaches_contraction(node, i)]
+            and _contracted_here(node, i)]
     if held:
       names = ', '.join('/'.join(keys[i]) for i in held)
       return (f'the kernels it contracts ({names}) are variables of its '
@@ -648,6 +648,15 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
             f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
             'and not others is refused')
   return plans or one
+
+
+def _contracted_here(node: Mox, index: int) -> bool:
+  """Whether a contraction in ``node``'s own body (not in a module call
+  inside it) reads its variable input ``index``."""
+  flat = _Flattener(node.path)
+  flat.node_children(node.children)
+  used = _kernel_use(flat, node, index)
+  return not isinstance(used, str) and not used[0].nested
 
 
 def _reaches_contraction(node: Mox, index: int) -> bool:
