@@ -655,8 +655,17 @@ def _contracted_here(node: Mox, index: int) -> bool:
   inside it) reads its variable input ``index``."""
   flat = _Flattener(node.path)
   flat.node_children(node.children)
-  used = _kernel_use(flat, node, index)
-  return not isinstance(used, str) and not used[0].nested
+  reached = {flat.canon(node.inputs[index])}
+  for eqn in flat.eqns:
+    if not any(not _is_literal(s) and s in reached for s in eqn.inputs):
+      continue
+    name = eqn.prim.name if eqn.prim is not None else None
+    if name in CONTRACTIONS or name == RAGGED:
+      if not eqn.nested:
+        return True
+      continue  # a submodule's contraction: its output is no kernel
+    reached.update(flat.canon(s) for s in eqn.outputs)
+  return False
 
 
 def _reaches_contraction(node: Mox, index: int) -> bool:
