@@ -32,7 +32,14 @@ function. Variants, each a rewrite of the traced model
 * ``HF gradient_checkpointing``: the same model built with
   ``gradient_checkpointing=True`` (not a YAX rewrite: the reference);
 * ``remat dots_no_batch``: ``yax.remat`` of every layer with
-  ``policy='dots_with_no_batch_dims_saveable'``.
+  ``policy='dots_with_no_batch_dims_saveable'``;
+* ``plan 0.5``, ``plan 0.25``, ``plan 0.12``: ``yax.fit_memory`` of the
+  traced model at those budgets (fractions of the baseline's training
+  memory), every choice allowed; its table is printed, and its choices are
+  made again (``MemoryPlan.apply``) on the trace at ``--time-batch``. A
+  budget below the least memory the planner reaches is a "refused" row
+  naming that memory. ``--plan-choices lean_norm,remat`` restricts the
+  choices (exact gradients).
 
 Columns:
 
@@ -142,9 +149,35 @@ def cross_entropy(logits, labels):
 
 # ---------------------------------------------------------------- variants
 
-def variants(model, layer: str, hf_checkpointed, params, ids, mask):
+PLAN_BUDGETS = (0.5, 0.25, 0.12)
+
+
+def plans(mox, labels, choices) -> dict:
+  """``yax.fit_memory`` of ``mox`` at each budget: name -> the plan, or a
+  string saying why there is none."""
+  out = {}
+
+  def loss(logits):  # one function: the planner measures the tree once
+    return cross_entropy(logits, labels)
+
+  for budget in PLAN_BUDGETS:
+    t0 = time.perf_counter()
+    try:
+      plan = yax.fit_memory(mox, loss, budget=budget, choices=choices)
+    except yax.SubstitutionError as e:  # a budget below the least reachable
+      out[f'plan {budget}'] = 'refused: ' + str(e).split(' reach: ')[-1]
+      continue
+    print(f'plan {budget} ({time.perf_counter() - t0:.0f} s to plan):\n'
+          f'{plan}', flush=True)
+    out[f'plan {budget}'] = plan
+  return out
+
+
+def variants(model, layer: str, hf_checkpointed, params, ids, mask,
+             planned: dict | None = None):
   """name -> (loss(params, ids, mask, labels, key), takes_key) or a string
-  saying why the variant is missing."""
+  saying why the variant is missing. ``planned``: name -> a
+  ``yax.MemoryPlan`` (made again on this trace) or a string."""
   def forward(p, ids, mask):
     return model(ids, attention_mask=mask, params=p, train=False).logits
 
@@ -191,6 +224,8 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask):
       'remat dots_no_batch': of(yax.remat(
           mox, layers, policy='dots_with_no_batch_dims_saveable')),
   }
+  for label, plan in (planned or {}).items():
+    out[label] = plan if isinstance(plan, str) else of(plan.apply(mox))
   return out
 
 
@@ -246,13 +281,20 @@ def run_model(name: str, args) -> list[str]:
   opt = optax.adam(1e-4)
   state = opt.init(params)
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  found = _only(variants(model, layer, hf_gc, params, big[0], big[1]),
-                args.variants)
+  planned = {}
+  if not args.variants or any(w.strip().startswith('plan')
+                              for w in args.variants.split(',')):
+    def forward(p, ids, mask):
+      return model(ids, attention_mask=mask, params=p, train=False).logits
+    planned = plans(yax.make_mox(forward)(params, big[0], big[1]), big[2],
+                    tuple(args.plan_choices.split(',')))
+  found = _only(variants(model, layer, hf_gc, params, big[0], big[1],
+                         planned), args.variants)
   if args.no_time:
     timed = exact = None
   else:  # the traced trees have the benchmark's batch: trace again
     timed = _only(variants(model, layer, hf_gc, params, little[0],
-                           little[1]), args.variants)
+                           little[1], planned), args.variants)
     exact = jax.jit(jax.grad(timed['baseline']))(params, *little, key)
   lines = [f'{name}: {param_bytes / MiB:.1f} MiB of params, batch '
            f'{args.batch} x {args.seq} (step time and gradient error at batch '
@@ -313,6 +355,10 @@ def main(argv=None):
   parser.add_argument('--variants', default=None,
                       help='comma-separated name prefixes of the variants to '
                       'run beside the baseline, e.g. "randomized,fewbit"')
+  parser.add_argument('--plan-choices',
+                      default='lean_norm,remat,fewbit,randomized',
+                      help='what yax.fit_memory may choose for the "plan" '
+                      'variants (comma-separated)')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)

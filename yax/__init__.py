@@ -65,6 +65,9 @@ from yax._src.report.html import render_html as render_html
 from yax._src.report.html import write_html as write_html
 from yax._src.views.printing import pformat as pformat
 from yax._src.report.memory import MemoryReport as MemoryReport
+from yax._src.plan.fit_memory import MemoryPlan as MemoryPlan
+from yax._src.plan.fit_memory import PlanRow as PlanRow
+from yax._src.plan.fit_memory import fit_memory as fit_memory
 from yax._src.report.memory import MemoryRow as MemoryRow
 from yax._src.report.memory import memory_report as memory_report
 from yax._src.trace.make import make_mox as make_mox

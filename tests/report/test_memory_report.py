@@ -164,3 +164,29 @@ def test_nnx_state_as_params():
 def test_refuses_without_arguments():
   with pytest.raises(yax.SignatureError, match='the params first'):
     yax.memory_report(loss)
+
+
+def test_summary_shows_the_bytes_each_call_saves():
+  mox = yax.make_mox(NET.apply)(VARS, X)
+  report = yax.memory_report(lambda p, x: loss_of(yax.eval_mox(mox, p, x)),
+                             VARS, X, xla=False)
+  ref = jax_residuals(lambda p: loss_of(NET.apply(p, X)), VARS)
+  rows = yax.summary(mox, memory=report)
+  saved = {r.path: r.saved for r in rows}
+  # Only act computes what the backward pass keeps (tanh and its
+  # derivative, f32[4,16]), as JAX's own listing says.
+  assert saved == {'': 0, 'up': 0, 'act': sum(
+      b for t, b, _ in ref if t == 'f32[4,16]'), 'down': 0}
+  assert saved['act'] > 0
+  assert all(r.saved is None for r in yax.summary(mox))
+  text = yax.format_summary(mox, memory=report)
+  header = next(line for line in text.splitlines() if 'path' in line)
+  assert 'saved' in header
+  act = next(line for line in text.splitlines() if ' act ' in line)
+  assert f'{saved["act"]:,}' in act
+  assert f'Saved for the backward pass: {report.total:,} bytes' in text
+  assert 'saved' not in yax.format_summary(mox)
+
+
+def loss_of(y):
+  return jnp.sum(jnp.sin(y))

@@ -33,12 +33,14 @@ from typing import Any
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 import numpy as np
 
 from yax._src import compat
 from yax._src.errors import SignatureError
 from yax._src.ir.nodes import Mox
 from yax._src.ir.nodes import iter_nodes
+from yax._src.report.flops import jaxpr_flops
 from yax._src.trace.eval import MODULE_SCOPE, Interpreter, check_arguments
 from yax._src.trace.make import make_mox
 
@@ -178,7 +180,6 @@ def memory_report(loss, *args, xla: bool = True) -> MemoryReport:
   mox = make_mox(loss)(*args)
   params, rest = args[0], args[1:]
   p_leaves, p_tree = jax.tree_util.tree_flatten(params)
-  scopes = _Scopes()
   # A loss whose trace holds module calls (Flax, NNX) is replayed from its
   # tree; one that evaluates YAX trees (``eval_mox``) runs as it is, and
   # those trees' calls open the scopes.
@@ -193,8 +194,55 @@ def memory_report(loss, *args, xla: bool = True) -> MemoryReport:
     return jax.tree_util.tree_unflatten(mox.out_tree, outs) \
         if mox.out_tree is not None else outs
 
+  report, _ = _analyse(run, p_leaves, rest, flops=False)
+  return dataclasses.replace(
+      report, xla=_xla_memory(loss, args) if xla else None)
+
+
+def step_memory(loss, *args, flops: bool = False
+                ) -> tuple[MemoryReport, int | None]:
+  """``memory_report`` (without XLA's analysis) for a ``loss`` that
+  evaluates YAX trees with ``eval_mox``, and the FLOPs of its gradient.
+
+  The loss runs as it is (no trace of its own: the calls of the trees it
+  evaluates are the rows), inside one trace of its forward and backward
+  pass; ``flops=True`` counts that trace's FLOPs (``report/flops.py``,
+  XLA's conventions), as ``jax.grad(loss)`` computes them.
+
+  Returns ``(report, flops)`` (``flops`` None unless asked).
+
+  Example::
+
+      report, flops = step_memory(
+          lambda p, x: loss(yax.eval_mox(tree, p, x)), params, x, flops=True)
+  """
+  if not args:
+    raise SignatureError(
+        'step_memory(loss, *args): expected the arguments of loss (the '
+        'params first), found none')
+  params, rest = args[0], args[1:]
+  p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+
+  def run(p_leaves, rest):
+    return loss(jax.tree_util.tree_unflatten(p_tree, p_leaves), *rest)
+
+  return _analyse(run, p_leaves, rest, flops=flops)
+
+
+def _analyse(run, p_leaves, rest, *, flops: bool
+             ) -> tuple[MemoryReport, int | None]:
+  """The report of ``run(p_leaves, rest)``'s residuals with respect to
+  ``p_leaves`` (``xla`` None) and, with ``flops``, the FLOPs of its
+  forward and backward pass."""
+  scopes = _Scopes()
+
   def vjp(p_leaves, rest):
-    return jax.vjp(lambda *p: run(list(p), rest), *p_leaves)
+    out, pullback = jax.vjp(lambda *p: run(list(p), rest), *p_leaves)
+    if not flops:
+      return out, pullback
+    # The backward pass too, for its FLOPs: traced after the forward pass,
+    # so the residuals are the same values.
+    return out, pullback, pullback(jnp.ones_like(out))
 
   token = MODULE_SCOPE.set(scopes)
   try:
@@ -204,7 +252,8 @@ def memory_report(loss, *args, xla: bool = True) -> MemoryReport:
   calls = scopes.calls
   jaxpr = closed.jaxpr
   n_res = len(jax.tree_util.tree_leaves(shapes[1]))
-  res = jaxpr.outvars[len(jaxpr.outvars) - n_res:]
+  n_out = len(jax.tree_util.tree_leaves(shapes[0]))
+  res = jaxpr.outvars[n_out:n_out + n_res]
   inputs = set(jaxpr.invars) | set(jaxpr.constvars)
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
   by_path: dict[str, list] = {}
@@ -236,10 +285,11 @@ def memory_report(loss, *args, xla: bool = True) -> MemoryReport:
   total = unattributed + sum(r.bytes for r in rows)
   param_bytes = sum(nbytes(jax.typeof(x)) for x in p_leaves
                     if hasattr(x, 'dtype'))
-  return MemoryReport(
+  report = MemoryReport(
       rows=rows, unattributed=unattributed,
       unattributed_residuals=tuple(a.str_short(short_dtypes=True)
                                    for a in outside),
       total=total, excluded=tuple(excluded), param_bytes=param_bytes,
       training=4 * param_bytes + total,
-      xla=_xla_memory(loss, args) if xla else None)
+      xla=None)
+  return report, (jaxpr_flops(jaxpr) if flops else None)

@@ -104,9 +104,10 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
   """The module call's variable inputs grouped by collection name."""
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
-  from yax._src.trace import nnx as _nnx
-  if _nnx.var_kinds(mox) is not None:  # NNX: grouped by Variable type
-    return _nnx.variable_groups(mox)
+  from yax._src.trace import systems as _systems
+  typed = _systems.typed_variable_groups(mox)  # NNX, Equinox: by kind
+  if typed is not None:
+    return typed
   tree = _var_tree(mox)
   if tree is None:
     return {'variables': list(mox.var_inputs)}
@@ -123,9 +124,11 @@ def own_variables(mox: Mox) -> dict[str, dict[str, Symbol]]:
   leaves directly under each collection, and the leaves of a variable whose
   value is a dict (``'p/a'``); sub-dicts where a module call inside sits
   are its submodules'."""
-  from yax._src.trace import nnx as _nnx
-  if isinstance(mox, Mox) and _nnx.var_kinds(mox) is not None:
-    return _nnx.own_variables(mox)  # NNX: by Variable type, as nnx.state
+  from yax._src.trace import systems as _systems
+  typed = (_systems.typed_own_variables(mox) if isinstance(mox, Mox)
+           else None)
+  if typed is not None:  # NNX, Equinox: by kind, as nnx.state shows them
+    return typed
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
   n = len(mox.path)
@@ -189,7 +192,7 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   if not isinstance(mox, Mox) or mox.num_vars or mox.in_tree is None:
     return {}
   from yax._src.rewrite import engine as _engine
-  from yax._src.trace import nnx as _nnx
+  from yax._src.trace import systems as _systems
   reads = reads if reads is not None else ParamReads(mox)
   read: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
@@ -204,7 +207,7 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   # The traced arguments with each leaf's index in place of its value (in
   # parts, where a pytree node of the user's refuses such placeholders).
   arguments = [sub for _, sub in placeholder_parts(mox.in_tree)]
-  in_variables = _nnx.param_leaves(arguments)
+  in_variables = _systems.param_leaves(arguments)
   linen = located.collections.get(PARAMS)
   prefixes = sorted(located.collections.values(), key=len, reverse=True)
   out = {}
@@ -501,6 +504,10 @@ class SummaryRow:
   # DoRA's ``lora_magnitude``, named after a kernel or method too): what
   # trains (params ``lora(train=...)`` unfreezes are not marked in the tree).
   trainable: int = 0
+  # Bytes the call itself keeps for the backward pass (exclusive of its
+  # submodules, ``yax.memory_report``'s row), when ``summary`` was given
+  # a report; None otherwise or when the report has no row for the call.
+  saved: int | None = None
 
   @property
   def type(self) -> str:
@@ -521,13 +528,18 @@ def _is_group(node: Mox) -> bool:
   return node.is_ephemeral and node.entrypoint is None and node.name is not None
 
 
-def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
+def summary(mox: Expr, *, depth: int | None = None,
+            memory=None) -> list[SummaryRow]:
   """The module table of ``mox``: one :class:`SummaryRow` per module call.
 
   **Arguments:**
   - ``mox``: a tree from :func:`yax.make_mox` (or any node of it).
   - ``depth``: keep module calls nested at most this deep (0: only the
     outermost ones); ``None`` keeps all.
+  - ``memory``: a ``yax.memory_report`` of a training step of this tree
+    (given the same loss and arguments); each row's ``saved`` is then the
+    bytes its call keeps for the backward pass (the report's row, found
+    by path: ``<Type>`` for the call at the root path).
 
   **Returns:** rows in call order (pre-order). Helper-method calls of a
   module from inside itself are folded into the caller's row (see the
@@ -573,7 +585,12 @@ def summary(mox: Expr, *, depth: int | None = None) -> list[SummaryRow]:
       visit(child, level, owner, parent)
 
   visit(mox, 0, None, None)
-  return _with_unread(out, parents, unread_params(mox, reads))
+  rows = _with_unread(out, parents, unread_params(mox, reads))
+  if memory is None:
+    return rows
+  kept = memory.by_path()
+  return [dataclasses.replace(r, saved=kept.get(r.path or f'<{r.module}>'))
+          for r in rows]
 
 
 ADAPTER_NAMES = ('lora_a', 'lora_b', 'lora_magnitude')
@@ -849,7 +866,8 @@ def _min_table_width(columns: list[_Column], cells: list[list[str]]) -> int:
 
 def format_summary(mox: Mox, *, depth: int | None = None,
                    title: str | None = None, width: int | None = None,
-                   xla: bool = False, dtypes: bool = False) -> str:
+                   xla: bool = False, dtypes: bool = False,
+                   memory=None) -> str:
   """The summary as text (``yax.format_summary``): a title line, the
   table (see :func:`render_table`) and totals.
 
@@ -865,6 +883,9 @@ def format_summary(mox: Mox, *, depth: int | None = None,
   - ``xla``: add XLA's compiled cost analysis of the whole model.
   - ``dtypes``: show the compute dtype column (shown anyway after ``cast``
     or ``quantize``).
+  - ``memory``: a ``yax.memory_report`` of a training step of this tree:
+    adds a ``saved`` column (bytes each call keeps for the backward pass,
+    exclusive of its submodules) and its totals.
 
   **Returns:** the text, one line per row and total, ending in a newline.
 
@@ -872,7 +893,7 @@ def format_summary(mox: Mox, *, depth: int | None = None,
 
       print(yax.format_summary(mox, depth=2, width=100))
   """
-  rows = summary(mox, depth=depth)
+  rows = summary(mox, depth=depth, memory=memory)
   # The compute dtype column: asked for, or where a call was cast or
   # quantized (plain trees print as before).
   show = dtypes or any(isinstance(r.node.params.get(k), str) for r in rows
@@ -888,6 +909,9 @@ def format_summary(mox: Mox, *, depth: int | None = None,
                 *layout[-3:]] if len(layout) > 5 else [
                     *layout[:1], ('dtype', lambda r: r.dtype, False, True),
                     *layout[1:]]
+    if memory is not None:  # bytes kept for the backward pass, before FLOPs
+      layout = [*layout[:-1], ('saved', lambda r: '' if r.saved is None
+                               else _count(r.saved), True, False), layout[-1]]
     columns = [_Column(h, right=right, wrap=wrap) for h, _, right, wrap in layout]
     cells = [[cell(row) for _, cell, _, _ in layout] for row in rows]
     if width is None or _min_table_width(columns, cells) <= width:
@@ -915,6 +939,11 @@ def format_summary(mox: Mox, *, depth: int | None = None,
         f"{cost['flops'] + cost['transcendentals']:,.0f} FLOPs "
         f"({cost['flops']:,.0f} flops + {cost['transcendentals']:,.0f} "
         'transcendentals)' if cost is not None else 'not available'))
+  if memory is not None:
+    lines.append(
+        f'Saved for the backward pass: {memory.total:,} bytes '
+        f'({memory.unattributed:,} outside module calls); training memory '
+        f'(4 x params + saved): {memory.training:,} bytes')
   lines.append(f'{calls} module calls, {len(eqns)} equations, '
                f'{len(dynamic(mox.inputs))} inputs')
 
@@ -941,7 +970,7 @@ def print_table(mox: Mox, *, file=None, width: int | None = None, **kwargs):
   - ``file``: where to write (default ``sys.stdout``).
   - ``width``: the width to fit (default: see above).
   - ``**kwargs``: :func:`format_summary`'s (``depth``, ``title``, ``xla``,
-    ``dtypes``).
+    ``dtypes``, ``memory``).
 
   Example::
 

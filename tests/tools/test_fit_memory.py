@@ -1,0 +1,197 @@
+"""yax.fit_memory on a small Linen stack of pre-norm MLP blocks: each plan's
+training memory checked by JAX's own saved_residuals (independently of
+memory_report), gradients against jax.grad of the plain model, refusal
+below the least reachable memory, and less recompute than the same model
+written with nn.remat on every block at the same memory (XLA's cost
+analysis)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import flax.linen as nn
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import yax
+from helpers import assert_trees_close, check_rewrite
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name='ln')(x)
+    h = jax.nn.gelu(nn.Dense(32, name='up')(h))
+    return x + nn.Dense(8, name='down')(h)
+
+
+class Net(nn.Module):
+  block: type = Block
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = self.block(name=f'b{i}')(x)
+    return x
+
+
+X = jax.random.normal(jax.random.key(1), (16, 8))
+NET = Net()
+VARS = NET.init(jax.random.key(0), X)
+PARAM_BYTES = sum(a.nbytes for a in jax.tree_util.tree_leaves(VARS))
+EXACT = ('lean_norm', 'remat')
+
+
+def out_loss(y):
+  return jnp.sum(jnp.sin(y))
+
+
+def plain_loss(p):
+  return out_loss(NET.apply(p, X))
+
+
+ITEMSIZE = {'key<fry>': 8, 'f32': 4, 'f16': 2, 'bf16': 2, 'i32': 4,
+            'u32': 4, 'u8': 1, 'i8': 1, 'bool': 1}
+
+
+def training_memory(fn, params) -> int:
+  """4 x param bytes + what JAX's print_saved_residuals lists (arguments,
+  constants and literals excluded: they take no memory of their own)."""
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, params)
+  kept = 0
+  for line in buf.getvalue().splitlines():
+    kind, _, src = line.partition(' ')
+    if not line or src.startswith(('from the argument', 'from a constant',
+                                   'from a literal')):
+      continue
+    # A typed PRNG key (the sketch's): threefry's two uint32 words.
+    dtype, dims = re.fullmatch(r'(\w+|key<fry>)\[([\d,]*)\]', kind).groups()
+    kept += math.prod(int(d) for d in dims.split(',') if d) * ITEMSIZE[dtype]
+  return 4 * PARAM_BYTES + kept
+
+
+def xla_flops(fn, params) -> float:
+  cost = jax.jit(jax.grad(fn)).lower(params).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return cost['flops']
+
+
+@pytest.fixture(scope='module')
+def mox():
+  return yax.make_mox(NET.apply)(VARS, X)
+
+
+BASELINE = training_memory(plain_loss, VARS)
+
+
+def test_exact_plan_meets_the_budget_with_less_recompute_than_remat(mox):
+  # The reference: the same model written with nn.remat on every block.
+  remat_net = Net(block=nn.remat(Block))
+
+  def remat_loss(p):
+    return out_loss(remat_net.apply(p, X))
+
+  remat_memory = training_memory(remat_loss, VARS)
+  assert remat_memory < BASELINE
+  budget = (remat_memory + BASELINE) // 2
+  plan = yax.fit_memory(mox, out_loss, budget=budget, choices=EXACT)
+  check_rewrite(plan.mox)
+  assert plan.baseline == BASELINE and plan.budget == budget
+
+  def planned(p):
+    return out_loss(yax.eval_mox(plan.mox, p, X))
+
+  # JAX's own residuals say the same memory as the plan, within budget.
+  assert training_memory(planned, VARS) == plan.memory <= budget
+  assert plan.table and all(r.exact for r in plan.table)
+  assert not plan.takes_sketch_key
+  np.testing.assert_allclose(yax.eval_mox(plan.mox, VARS, X),
+                             NET.apply(VARS, X), rtol=1e-5, atol=1e-5)
+  assert_trees_close(jax.grad(planned)(VARS), jax.grad(plain_loss)(VARS),
+                     rtol=1e-5, atol=1e-5)
+  # Remat of every block meets the budget too, recomputing more (XLA's
+  # cost analysis of the compiled gradients).
+  plain = xla_flops(plain_loss, VARS)
+  assert plain < xla_flops(planned, VARS) < xla_flops(remat_loss, VARS)
+  text = str(plan)
+  for row in plan.table:
+    assert row.path in text and row.choice in text
+    assert row.after < row.before
+  assert f'{plan.memory:,}' in text
+  # The same choices on a trace at another batch size.
+  x2 = jax.random.normal(jax.random.key(2), (5, 8))
+  other = check_rewrite(plan.apply(yax.make_mox(NET.apply)(VARS, x2)))
+  assert_trees_close(
+      jax.grad(lambda p: out_loss(yax.eval_mox(other, p, x2)))(VARS),
+      jax.grad(lambda p: out_loss(NET.apply(p, x2)))(VARS),
+      rtol=1e-5, atol=1e-5)
+
+
+def test_plan_with_approximate_choices_meets_the_budget(mox):
+  plan = yax.fit_memory(mox, out_loss, budget=0.5)
+  check_rewrite(plan.mox)
+  key = jax.random.key(3)
+  extra = {'sketch_key': key} if plan.takes_sketch_key else {}
+
+  def planned(p):
+    return out_loss(yax.eval_mox(plan.mox, p, X, **extra))
+
+  assert training_memory(planned, VARS) == plan.memory <= plan.budget
+  assert any(not r.exact for r in plan.table)
+  # Every rewrite keeps the forward pass; the gradient is approximate
+  # (few-bit activations, a sketched kernel gradient) but close.
+  np.testing.assert_allclose(yax.eval_mox(plan.mox, VARS, X, **extra),
+                             NET.apply(VARS, X), rtol=1e-5, atol=1e-5)
+  got = jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(
+      jax.grad(planned)(VARS))])
+  want = jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(
+      jax.grad(plain_loss)(VARS))])
+  cosine = got @ want / (jnp.linalg.norm(got) * jnp.linalg.norm(want))
+  assert cosine > 0.9
+
+
+def test_refuses_below_the_least_memory_and_leaves_the_tree(mox):
+  before = io.StringIO()
+  yax.dump_xml(mox, before)
+  with pytest.raises(yax.SubstitutionError) as info:
+    yax.fit_memory(mox, out_loss, budget=0.2, choices=EXACT)
+  message = str(info.value)
+  assert f'budget {int(0.2 * BASELINE):,} bytes (0.200 of' in message
+  least, fraction = re.search(
+      r'reach: ([\d,]+) bytes \(([\d.]+) of the baseline\)', message).groups()
+  least = int(least.replace(',', ''))
+  assert fraction == f'{least / BASELINE:.3f}'
+  after = io.StringIO()
+  yax.dump_xml(mox, after)
+  assert after.getvalue() == before.getvalue()
+  # The memory it names is reached.
+  plan = yax.fit_memory(mox, out_loss, budget=least, choices=EXACT)
+  check_rewrite(plan.mox)
+  assert training_memory(
+      lambda p: out_loss(yax.eval_mox(plan.mox, p, X)), VARS) <= least
+  with pytest.raises(yax.SubstitutionError, match=f'{least - 1:,} bytes'):
+    yax.fit_memory(mox, out_loss, budget=least - 1, choices=EXACT)
+
+
+def test_budget_at_or_above_the_baseline_changes_nothing(mox):
+  plan = yax.fit_memory(mox, out_loss, budget=BASELINE)
+  assert plan.mox is mox and plan.table == () and plan.memory == BASELINE
+
+
+@pytest.mark.parametrize('budget', [0.0, 1.0, 1.5, -3, True, '0.5'])
+def test_refuses_a_budget_that_is_no_bytes_or_fraction(mox, budget):
+  with pytest.raises(yax.SubstitutionError, match='budget'):
+    yax.fit_memory(mox, out_loss, budget=budget)
+
+
+def test_refuses_unknown_choices(mox):
+  with pytest.raises(yax.SubstitutionError, match='offload'):
+    yax.fit_memory(mox, out_loss, budget=0.5, choices=('offload',))

@@ -1,0 +1,516 @@
+"""``yax.fit_memory``: choose a memory rewrite per module call to fit a budget.
+
+A training step's memory is estimated as ``yax.memory_report`` does: ``4 x
+param bytes`` (params, gradients, Adam's two moments) plus the residuals the
+backward pass keeps. The planner cuts the residuals, per module call, with
+the memory rewrites (its *choices*):
+
+* ``lean_norm``: a Linen LayerNorm/RMSNorm keeps its input and per-row
+  statistics (exact gradients, no recompute);
+* ``remat``: the call runs under ``jax.checkpoint``, keeping only its inputs
+  (``remat``) or also its matmul outputs (``remat(dots_saveable)``); exact
+  gradients, its forward pass is recomputed;
+* ``fewbit``: the activations inside the call keep ``bits``-bit codes
+  (approximate gradients, almost no added compute);
+* ``randomized``: a linear call keeps a count sketch of ``ratio`` of its
+  input rows (unbiased, stochastic kernel gradient; the tree then takes a
+  ``sketch_key``).
+
+Host offload is not among the choices: ``memory_report`` counts an
+offloaded residual as kept, and on CPU there is no host memory to offload
+to.
+
+**How it chooses.** Each choice is measured on the traced tree alone:
+the bytes it saves (``memory_report``'s total before and after) and the
+FLOPs it adds to the gradient computation (``report/flops.py`` on the Jaxpr
+of ``jax.grad``, which follows XLA's cost analysis conventions). Calls of
+the same type and input types (the layers of a stack) are measured
+together, once. At most one choice is made per module call, and two chosen
+calls never change the same report row (a remat takes every row under its
+call). The greedy loop then takes, while the
+estimate is above the budget, the choice of the least added FLOPs per byte
+saved (an exact one before an approximate one at equal cost; a choice
+replaces those whose report rows it changes when it saves more than they
+do), and checks the rewritten tree with ``memory_report``; when the check
+is over the budget, the loop goes on from the measured memory. When the
+cheap choices run out, the choices that save the most bytes (taken
+greedily by bytes) are checked the same way; a budget below every checked
+memory is refused, naming the least.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Callable, Sequence
+
+import jax
+
+from yax._src.errors import SubstitutionError
+from yax._src.ir.nodes import Mox, iter_nodes
+from yax._src.report.memory import MemoryReport, step_memory
+from yax._src.tools.fewbit import fewbit
+from yax._src.tools.lean_norm import lean_norm
+from yax._src.tools.randomized import KEY_NAME, randomized_linear
+from yax._src.tools.remat import remat
+from yax._src.trace.eval import eval_mox
+
+CHOICES = ('lean_norm', 'remat', 'fewbit', 'randomized')
+# The measurements of the last tree planned: [tree, loss, (choices, bits,
+# ratios, policies), (baseline report, baseline FLOPs, options)], matched
+# by the identity of the tree and the loss (a tree is never changed in
+# place), so that planning one tree at several budgets measures it once.
+_MEASURED: list = []
+# The exact choices (gradients equal the original's within float rounding).
+EXACT = ('lean_norm', 'remat')
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+  """One chosen module call.
+
+  Attributes:
+    path: the call's path (``a/b``; ``<Type>`` for the call at the root).
+    choice: ``lean_norm``, ``remat``, ``remat(dots_saveable)``,
+      ``fewbit(3 bits)`` or ``randomized(0.5)``.
+    before: bytes the call and its submodules kept before the plan.
+    after: bytes they keep in the planned tree.
+    added_flops: FLOPs the choice adds to the gradient computation
+      (measured alone; negative when it saves some).
+    exact: whether the gradients stay exact.
+  """
+  path: str
+  choice: str
+  before: int
+  after: int
+  added_flops: int
+  exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """What ``yax.fit_memory`` returns; ``str()`` prints the table.
+
+  Attributes:
+    mox: the rewritten tree (evaluate it with ``sketch_key=`` when
+      ``takes_sketch_key``).
+    table: one :class:`PlanRow` per chosen call, in call order.
+    memory: training memory of ``mox`` (bytes, ``4 x params + saved``,
+      measured by ``memory_report``).
+    baseline: training memory of the input tree.
+    budget: the budget in bytes.
+    added_flops: FLOPs the plan adds to the gradient computation
+      (measured on the planned tree).
+    takes_sketch_key: True when a call is randomized.
+    report: the ``memory_report`` of the planned tree.
+    steps: the choices as ``(path, kind, argument)`` (kind ``lean_norm``,
+      ``remat``, ``fewbit``, ``randomized``; argument the policy, bits or
+      ratio), in the order :meth:`apply` makes them.
+  """
+  mox: Mox
+  table: tuple[PlanRow, ...]
+  memory: int
+  baseline: int
+  budget: int
+  added_flops: int
+  takes_sketch_key: bool
+  report: MemoryReport
+  steps: tuple[tuple[tuple, str, object], ...] = ()
+
+  def apply(self, mox: Mox) -> Mox:
+    """The same choices made on another trace of the same model (another
+    batch size or sequence length): the calls are found by path.
+
+    Example::
+
+        plan = yax.fit_memory(small_mox, loss, budget=0.5)
+        big = plan.apply(yax.make_mox(model.apply)(variables, big_batch))
+    """
+    for path, kind, arg in self.steps:
+      if not _calls_at(mox, path):
+        raise SubstitutionError(
+            f'MemoryPlan.apply: the plan chose {kind} for the module call at '
+            f'{"/".join(path) or "the root path"}, which this tree does not '
+            'have')
+      mox = _apply(mox, kind, arg, [path])
+    return mox
+
+  def __str__(self) -> str:
+    width = max([len(r.path) for r in self.table] + [12])
+    lines = [f'{"module call":<{width}}  {"choice":<22}  {"kept before":>12}'
+             f'  {"kept after":>12}  {"added FLOPs":>13}']
+    for r in self.table:
+      lines.append(f'{r.path:<{width}}  {r.choice:<22}  {r.before:>12,}  '
+                   f'{r.after:>12,}  {r.added_flops:>13,}')
+    base = max(self.baseline, 1)
+    lines.append(
+        f'training memory {self.memory:,} bytes = {self.memory / base:.3f} of '
+        f'the baseline {self.baseline:,} (budget {self.budget:,} = '
+        f'{self.budget / base:.3f}); added FLOPs {self.added_flops:,}')
+    return '\n'.join(lines)
+
+  __repr__ = __str__
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+  """A choice measured for one call path (``saved``/``flops`` per path);
+  ``rows``: the report rows (paths) it changes. Two options conflict when
+  their rows meet."""
+  path: tuple
+  kind: str
+  arg: object  # policy, bits or ratio
+  saved: int
+  flops: int
+  rows: frozenset
+
+  @property
+  def label(self) -> str:
+    if self.kind == 'remat':
+      return 'remat' if self.arg is None else f'remat({self.arg})'
+    if self.kind == 'fewbit':
+      return f'fewbit({self.arg} bits)'
+    if self.kind == 'randomized':
+      return f'randomized({self.arg:g})'
+    return self.kind
+
+  @property
+  def rank(self) -> float:
+    """Gradient error, in order: exact choices, fewbit (more bits first),
+    the stochastic sketch (larger ratios first)."""
+    if self.kind in EXACT:
+      return 0.0
+    if self.kind == 'fewbit':
+      return 1 + (8 - self.arg) / 8
+    return 2 + (1 - self.arg)
+
+
+def _path_text(path: tuple, type_name: str) -> str:
+  return '/'.join(path) or f'<{type_name or "root"}>'
+
+
+def _calls_at(tree: Mox, path: tuple) -> list[Mox]:
+  return [n for n in iter_nodes(tree)
+          if isinstance(n, Mox) and not n.is_ephemeral and n.path == path]
+
+
+def _apply(tree: Mox, kind: str, arg, paths) -> Mox:
+  nodes = [n for p in paths for n in _calls_at(tree, p)]
+  if kind == 'lean_norm':
+    return lean_norm(tree, nodes)
+  if kind == 'remat':
+    return remat(tree, nodes, policy=arg)
+  if kind == 'fewbit':
+    return fewbit(tree, nodes, bits=arg)
+  return randomized_linear(tree, nodes, ratio=arg)
+
+
+def _inside(p: tuple, q: tuple) -> bool:
+  """``p`` is ``q`` or a call under it."""
+  return p[:len(q)] == q
+
+
+def _check_budget(budget) -> tuple[int | None, float | None]:
+  """``(bytes, None)`` or ``(None, fraction)``."""
+  if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+    raise SubstitutionError(
+        f'fit_memory: budget must be bytes of training memory (an int) or a '
+        f'fraction of the baseline in (0, 1), found {budget!r}')
+  if isinstance(budget, numbers.Integral):
+    if budget <= 0:
+      raise SubstitutionError(
+          f'fit_memory: a budget in bytes must be positive, found {budget}')
+    return int(budget), None
+  if not 0 < budget < 1:
+    raise SubstitutionError(
+        "fit_memory: a float budget is a fraction of the baseline's training "
+        f'memory, in (0, 1); found {budget!r} (pass bytes as an int)')
+  return None, float(budget)
+
+
+def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
+               choices: Sequence[str] = CHOICES,
+               bits: Sequence[int] = (4, 2),
+               ratios: Sequence[float] = (0.5,),
+               policies: Sequence = (None, 'dots_saveable')) -> MemoryPlan:
+  """Rewrites module calls so that a training step fits a memory budget at
+  the least added compute.
+
+  **Arguments:**
+  - ``mox``: the traced tree (left unchanged); its first argument is the
+    params the step differentiates.
+  - ``loss``: maps what the tree returns to a scalar.
+  - ``budget``: bytes of training memory (an int), or a float in (0, 1): a
+    fraction of the input tree's training memory. Training memory is
+    ``memory_report``'s: ``4 x param bytes + saved residuals``.
+  - ``args``: ``(args, kwargs)`` to evaluate the tree on; by default
+    ``jax.ShapeDtypeStruct`` s of the traced inputs (nothing is computed:
+    every measurement traces or compiles only).
+  - ``choices``: the rewrites to choose from, among ``'lean_norm'``,
+    ``'remat'``, ``'fewbit'``, ``'randomized'``; ``('lean_norm',
+    'remat')`` keeps gradients exact. Host offload is not offered (CPU has
+    no host memory space to offload to, and the report counts an
+    offloaded residual as kept).
+  - ``bits``: the fewbit widths tried; ``ratios``: the randomized ratios
+    tried; ``policies``: the remat policies tried (``None`` keeps only the
+    call's inputs).
+
+  **Returns:** a :class:`MemoryPlan`: ``.mox`` (the rewritten tree: it
+  takes ``sketch_key=`` when ``.takes_sketch_key``), ``.table`` (per
+  chosen call: path, choice, bytes kept before and after, added FLOPs),
+  ``.memory`` (the training memory reached, checked by ``memory_report``)
+  and ``.report``. ``str(plan)`` is a table.
+
+  Raises ``SubstitutionError`` when ``budget`` is below the least training
+  memory the choices reach (naming it in bytes and as a fraction of the
+  baseline), or is not a positive int or a float in (0, 1).
+
+  Example::
+
+      mox = yax.make_mox(model.apply)(variables, x)
+      plan = yax.fit_memory(mox, lambda y: (y ** 2).mean(), budget=0.5)
+      print(plan)
+      grads = jax.grad(lambda p: loss(yax.eval_mox(plan.mox, p, x)))(
+          variables)
+  """
+  if not isinstance(mox, Mox):
+    raise SubstitutionError(
+        f'fit_memory expects a Mox as the tree, found {type(mox).__name__}')
+  unknown = [c for c in choices if c not in CHOICES]
+  if unknown or not choices:
+    raise SubstitutionError(
+        f'fit_memory: choices must be among {", ".join(CHOICES)}, found '
+        f'{list(choices)!r}')
+  in_bytes, fraction = _check_budget(budget)
+  if args is None:
+    leaves = [jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
+              for s in mox.inputs]
+    pos, kw = jax.tree_util.tree_unflatten(mox.in_tree, leaves)
+  else:
+    pos, kw = args
+  if not pos:
+    raise SubstitutionError(
+        'fit_memory: the tree takes no positional argument; its first one '
+        'must be the params')
+  params, rest = pos[0], tuple(pos[1:])
+  key = jax.random.key(0)
+
+  def step(tree: Mox, sketched: bool):
+    extra = {KEY_NAME: key} if sketched else {}
+    return lambda p, a, k: loss(eval_mox(tree, p, *a, **k, **extra))
+
+  def measure(tree: Mox, sketched: bool):
+    return step_memory(step(tree, sketched), params, rest, dict(kw),
+                       flops=True)
+
+  asked = (tuple(choices), tuple(bits), tuple(ratios), tuple(policies))
+  hit = args is None and _MEASURED and _MEASURED[0] is mox and \
+      _MEASURED[1] is loss and _MEASURED[2] == asked
+  if hit:
+    base_report, base_flops, options = _MEASURED[3]
+  else:
+    base_report, base_flops = measure(mox, False)
+    options = None
+  baseline = base_report.training
+  limit = in_bytes if fraction is None else int(fraction * baseline)
+  types = {n.path: n.type_name or '' for n in iter_nodes(mox)
+           if isinstance(n, Mox) and not n.is_ephemeral}
+  if base_report.training <= limit:
+    return MemoryPlan(mox, (), baseline, baseline, limit, 0, False,
+                      base_report)
+
+  if options is None:
+    options = _options(mox, types, choices, bits, ratios, policies, measure,
+                       base_report, base_flops)
+    if args is None:
+      _MEASURED[:] = [mox, loss, asked, (base_report, base_flops, options)]
+
+  def build(chosen: dict) -> Mox:
+    tree = mox
+    for opt in _in_order(chosen):
+      tree = _apply(tree, opt.kind, opt.arg, [opt.path])
+    return tree
+
+  def check(chosen: dict):
+    sketched = any(o.kind == 'randomized' for o in chosen.values())
+    tree = build(chosen)
+    report, flops = measure(tree, sketched)
+    return tree, report, flops
+
+  checked = []  # (memory, chosen, tree, report, flops) of each check
+  chosen: dict = {}
+  shift = 0
+  for _ in range(len(options) + 1):
+    while _estimate(base_report, chosen) + shift > limit:
+      pick = _next_option(options, chosen, _cheapest)
+      if pick is None:
+        break
+      _take(chosen, pick)
+    tree, report, flops = check(chosen)
+    checked.append((report.training, dict(chosen), tree, report, flops))
+    if report.training <= limit or \
+        _next_option(options, chosen, _cheapest) is None:
+      break
+    shift = report.training - _estimate(base_report, chosen)
+  if checked[-1][0] > limit:
+    # The cheap choices ran out: the choices that save the most bytes.
+    least = _greedy(options, {}, lambda cost, saved, opt: -saved)
+    tree, report, flops = check(least)
+    checked.append((report.training, least, tree, report, flops))
+  met = [c for c in checked if c[0] <= limit]
+  if not met:
+    least = min(c[0] for c in checked)
+    raise SubstitutionError(
+        f'fit_memory: the budget {limit:,} bytes ({limit / baseline:.3f} of '
+        f"the baseline's training memory {baseline:,}) is below the least "
+        f'training memory the choices {", ".join(choices)} reach: '
+        f'{least:,} bytes ({least / baseline:.3f} of the baseline). The '
+        'tree is unchanged.')
+  memory, chosen, tree, report, flops = met[0]
+  return _plan(mox, tree, chosen, base_report, report, baseline, limit,
+               flops - base_flops, types)
+
+
+def _in_order(chosen: dict) -> list[_Option]:
+  """remat last: it moves a call's body into a checkpoint equation."""
+  return sorted(chosen.values(), key=lambda o: (o.kind == 'remat', o.path))
+
+
+def _estimate(base_report: MemoryReport, chosen: dict) -> int:
+  return base_report.training - sum(o.saved for o in chosen.values())
+
+
+def _row_path(text: str) -> tuple:
+  return () if text.startswith('<') else tuple(text.split('/'))
+
+
+def _options(mox, types, choices, bits, ratios, policies, measure,
+             base_report, base_flops) -> list[_Option]:
+  """Every applicable choice for every call path, each measured once per
+  group of calls of the same type and input types."""
+  groups: dict = {}
+  for path, nodes in _by_path(mox).items():
+    sig = (types[path], tuple(
+        tuple(str(s.aval) for s in n.inputs) for n in nodes))
+    groups.setdefault(sig, []).append(path)
+  # A group whose calls nest is measured path by path.
+  split = []
+  for paths in groups.values():
+    nested = any(_inside(p, q) for p in paths for q in paths if p != q)
+    split.extend([[p] for p in paths] if nested else [paths])
+  tries = []
+  for kind in choices:
+    if kind == 'remat':
+      tries += [('remat', p) for p in policies]
+    elif kind == 'fewbit':
+      tries += [('fewbit', b) for b in bits]
+    elif kind == 'randomized':
+      tries += [('randomized', r) for r in ratios]
+    else:
+      tries.append(('lean_norm', None))
+  before = {_row_path(r.path): r.bytes for r in base_report.rows}
+  out = []
+  for paths in split:
+    for kind, arg in tries:
+      if kind == 'lean_norm' and types[paths[0]] not in ('LayerNorm',
+                                                         'RMSNorm'):
+        continue
+      if kind != 'randomized' and not any(
+          b for r, b in before.items() if _inside(r, paths[0])):
+        continue  # the call keeps nothing: only a sketch saves (its input)
+      try:
+        tree = _apply(mox, kind, arg, paths)
+      except SubstitutionError:
+        # The tool refuses these calls (no activation for fewbit, no
+        # kernel contraction for randomized, an unsupported norm): the
+        # choice does not apply to them.
+        continue
+      report, flops = measure(tree, kind == 'randomized')
+      saved = (base_report.total - report.total) // len(paths)
+      if saved <= 0:
+        continue
+      added = (flops - base_flops) // len(paths)
+      after = {_row_path(r.path): r.bytes for r in report.rows}
+      changed = {r for r, b in before.items() if after.get(r) != b}
+      for p in paths:
+        # remat takes the whole call; the others the rows they change.
+        rows = {r for r in before if _inside(r, p)} if kind == 'remat' \
+            else {r for r in changed if _inside(r, p)}
+        out.append(_Option(p, kind, arg, saved, added, frozenset(rows | {p})))
+  return out
+
+
+def _by_path(mox: Mox) -> dict[tuple, list[Mox]]:
+  out: dict = {}
+  for n in iter_nodes(mox):
+    if isinstance(n, Mox) and not n.is_ephemeral:
+      out.setdefault(n.path, []).append(n)
+  return out
+
+
+def _cheapest(cost: int, saved: int, opt: _Option):
+  """Least added FLOPs per byte saved (a cost below zero counts as zero,
+  and costs within 0.01 FLOP per byte as equal), then the least gradient
+  error, then the deeper call (a finer choice leaves its neighbours free),
+  then the larger saving."""
+  return (round(max(cost, 0) / saved, 2), opt.rank, -len(opt.path), -saved)
+
+
+def _next_option(options, chosen: dict, key) -> _Option | None:
+  """The best option by ``key(cost, saved, option)`` (lowest first), where
+  ``saved`` and ``cost`` are what it saves and adds over the chosen options
+  it replaces (those whose rows meet its rows); None when no option saves
+  more than what it replaces."""
+  best, best_key = None, None
+  for opt in options:
+    if chosen.get(opt.path) is opt:
+      continue
+    replaced = [o for o in chosen.values() if o.rows & opt.rows]
+    saved = opt.saved - sum(o.saved for o in replaced)
+    if saved <= 0:
+      continue
+    cost = opt.flops - sum(o.flops for o in replaced)
+    k = key(cost, saved, opt)
+    if best_key is None or k < best_key:
+      best, best_key = opt, k
+  return best
+
+
+def _take(chosen: dict, pick: _Option) -> None:
+  for p in [p for p, o in chosen.items() if o.rows & pick.rows]:
+    del chosen[p]
+  chosen[pick.path] = pick
+
+
+def _greedy(options, chosen: dict, key) -> dict:
+  """Takes options by ``key`` until none saves more (the total saved
+  grows at each step, so this ends)."""
+  chosen = dict(chosen)
+  while (pick := _next_option(options, chosen, key)) is not None:
+    _take(chosen, pick)
+  return chosen
+
+
+def _inclusive(report: MemoryReport, path: tuple) -> int:
+  total = 0
+  for row in report.rows:
+    row_path = () if row.path.startswith('<') else tuple(row.path.split('/'))
+    if _inside(row_path, path):
+      total += row.bytes
+  return total
+
+
+def _plan(mox, tree, chosen, base_report, report, baseline, limit, added,
+          types) -> MemoryPlan:
+  order = {p: i for i, p in enumerate(_by_path(mox))}
+  rows = tuple(
+      PlanRow(_path_text(o.path, types[o.path]), o.label,
+              _inclusive(base_report, o.path), _inclusive(report, o.path),
+              o.flops, o.kind in EXACT)
+      for o in sorted(chosen.values(), key=lambda o: order[o.path]))
+  return MemoryPlan(
+      mox=tree, table=rows, memory=report.training, baseline=baseline,
+      budget=limit, added_flops=added,
+      takes_sketch_key=any(o.kind == 'randomized' for o in chosen.values()),
+      report=report,
+      steps=tuple((o.path, o.kind, o.arg) for o in _in_order(chosen)))
