@@ -41,6 +41,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
@@ -132,17 +133,7 @@ class LeanNorm(nn.Module):
 
 _SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
 # NNX norms keep their call (type, path, variables); only the body changes.
-# Known by class name and package (code outside trace/ does not import a
-# module system; tests/test_layering.py): name -> RMSNorm.
-_NNX_NAMES = {'LayerNorm': False, 'RMSNorm': True}
-
-
-def _nnx_rms(ty) -> bool | None:
-  """For ``flax.nnx``'s LayerNorm (False) / RMSNorm (True), else None."""
-  if not isinstance(ty, type) or not getattr(ty, '__module__', '').startswith(
-      'flax.nnx.'):
-    return None
-  return _NNX_NAMES.get(ty.__name__)
+_NNX = {nnx.LayerNorm: False, nnx.RMSNorm: True}
 
 
 def _last_axis(value) -> bool:
@@ -151,7 +142,7 @@ def _last_axis(value) -> bool:
 
 def _why_not(node) -> str | None:
   if not isinstance(node, Mox) or (node.module_ty not in _SUPPORTED and
-                                   _nnx_rms(node.module_ty) is None):
+                                   node.module_ty not in _NNX):
     return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
             '(lean_norm rewrites those)')
   if node.rewritten:
@@ -173,10 +164,10 @@ def _why_not(node) -> str | None:
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
-  if _nnx_rms(node.module_ty) is not None:
+  if node.module_ty in _NNX:
     names = _nnx_names(node)
     wanted = {'scale'} if p.get('use_scale', True) else set()
-    if p.get('use_bias', True) and not _nnx_rms(node.module_ty):
+    if p.get('use_bias', True) and not _NNX[node.module_ty]:
       wanted.add('bias')
     if names is None or set(names) != wanted:
       return (f'it reads the variables {names!r}, expected '
@@ -201,7 +192,7 @@ def _nnx_replacement(node: Mox) -> Mox:
   """The NNX call with its body replaced by the lean ``custom_vjp``: same
   inputs (variables, then ``x``), outputs, type, path and fields."""
   p = node.params
-  rms = _nnx_rms(node.module_ty)
+  rms = _NNX[node.module_ty]
   use_scale = p.get('use_scale', True)
   use_bias = p.get('use_bias', True) and not rms
   fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
@@ -365,7 +356,7 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
 
   def replace(path, node):
     del path
-    if _nnx_rms(node.module_ty) is not None:
+    if node.module_ty in _NNX:
       return _nnx_replacement(node)
     p = node.params
     x = node.arg_inputs[0]
