@@ -195,3 +195,9 @@ def test_refuses_a_budget_that_is_no_bytes_or_fraction(mox, budget):
 def test_refuses_unknown_choices(mox):
   with pytest.raises(yax.SubstitutionError, match='offload'):
     yax.fit_memory(mox, out_loss, budget=0.5, choices=('offload',))
+  with pytest.raises(yax.SubstitutionError, match=r'bits \[5\]'):
+    yax.fit_memory(mox, out_loss, budget=0.5, bits=(5,))
+  with pytest.raises(yax.SubstitutionError, match=r'ratios \[1.5\]'):
+    yax.fit_memory(mox, out_loss, budget=0.5, ratios=(1.5,))
+  with pytest.raises(yax.SubstitutionError, match='unknown policy'):
+    yax.fit_memory(mox, out_loss, budget=0.5, policies=('no_such',))

@@ -49,10 +49,10 @@ import jax
 from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Mox, iter_nodes
 from yax._src.report.memory import MemoryReport, step_memory
-from yax._src.tools.fewbit import fewbit
+from yax._src.tools.fewbit import BITS, fewbit
 from yax._src.tools.lean_norm import lean_norm
 from yax._src.tools.randomized import KEY_NAME, randomized_linear
-from yax._src.tools.remat import remat
+from yax._src.tools.remat import remat, resolve_policy
 from yax._src.trace.eval import eval_mox
 
 CHOICES = ('lean_norm', 'remat', 'fewbit', 'randomized')
@@ -282,6 +282,16 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
         f'fit_memory: choices must be among {", ".join(CHOICES)}, found '
         f'{list(choices)!r}')
   in_bytes, fraction = _check_budget(budget)
+  # Checked here: a tool's refusal while measuring means "does not apply".
+  bad_bits = [b for b in bits if b not in BITS]
+  bad_ratios = [r for r in ratios if isinstance(r, bool) or not isinstance(
+      r, numbers.Real) or not 0 < r <= 1]
+  if bad_bits or bad_ratios:
+    raise SubstitutionError(
+        f'fit_memory: bits must be among {BITS} and ratios in (0, 1]; found '
+        f'bits {list(bits)!r}, ratios {list(ratios)!r}')
+  for policy in policies:
+    resolve_policy(policy)  # raises SubstitutionError naming the policies
   if args is None:
     leaves = [jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
               for s in mox.inputs]
