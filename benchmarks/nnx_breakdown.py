@@ -44,6 +44,7 @@ from yax._src.cli import bundled_nnx as _bundled_nnx  # noqa: E402
 from yax._src.trace import calls as _calls  # noqa: E402
 from yax._src.trace import make as _make  # noqa: E402
 from yax._src.trace import nnx as _nnx  # noqa: E402
+from yax._src.trace import nnx_variables as _nnx_variables  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -73,7 +74,7 @@ class Stub:
 
 def _no_variables(ctx, module):
   ctx.subtree(module)  # the walk still runs: it places submodules too
-  return [], _nnx._cached_treedef(())
+  return [], _nnx_variables.cached_treedef(())
 
 
 def _plain_call(module_ty, method, params, path, var_leaves, var_tree, call,
@@ -86,7 +87,7 @@ STAGES = {
     'tree build': lambda: [Stub(_make, 'build_root', lambda *a: None)],
     'variables': lambda: [Stub(_nnx._Context, 'variables', _no_variables)],
     'static params': lambda: [Stub(
-        _nnx, '_static_params', lambda m, p: {'name': p[-1] if p else None})],
+        _nnx, 'static_params', lambda m, p: {'name': p[-1] if p else None})],
     'markers': lambda: [Stub(_nnx, 'marked_call', _plain_call),
                         Stub(_calls, 'marked_call', _plain_call)],
 }

@@ -43,6 +43,7 @@ import yax  # noqa: E402
 from yax._src.trace import calls as _calls  # noqa: E402
 from yax._src.trace import markers as _markers  # noqa: E402
 from yax._src.trace import nnx as _nnx  # noqa: E402
+from yax._src.trace import nnx_patching as _nnx_patching  # noqa: E402
 
 GOALS = {'trace': 1.2, 'jit steady': 1.02, 'jit first': 1.1, 'eager': 1.2}
 
@@ -325,7 +326,8 @@ class _MarkersOnly:
   at every call (``super()`` calls of the same method excepted, as YAX
   does) it binds YAX's entry marker on the call's arrays and its exit
   marker on the results, and records nothing else. Installed as the NNX
-  trace context (``_nnx._local.ctx``) while YAX's class wrappers are on."""
+  trace context (``_nnx_patching.current.ctx``) while YAX's class
+  wrappers are on."""
 
   def __init__(self):
     self.stack = []
@@ -367,20 +369,20 @@ def _unrecorded(fn, *args):
   """The floor of any tracer that wraps NNX module methods (NNX has no
   interceptor): ``make_jaxpr`` while YAX's class-level wrappers are
   installed but record nothing (no trace context on this thread)."""
-  with _nnx._patched_classes():
+  with _nnx_patching.patched_classes():
     return _plain(fn, *args)
 
 
 def _markers_only(fn, *args):
   """That floor plus two marker binds per module call (``_MarkersOnly``),
   which any tracer that marks calls in the Jaxpr pays."""
-  with _nnx._patched_classes():
-    saved = getattr(_nnx._local, 'ctx', None)
-    _nnx._local.ctx = _MarkersOnly()
+  with _nnx_patching.patched_classes():
+    saved = getattr(_nnx_patching.current, 'ctx', None)
+    _nnx_patching.current.ctx = _MarkersOnly()
     try:
       return _plain(fn, *args)
     finally:
-      _nnx._local.ctx = saved
+      _nnx_patching.current.ctx = saved
 
 
 NNX_TRACERS = (('trace ({})', _recorded), ('(floor, {})', _unrecorded),

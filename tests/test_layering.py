@@ -79,6 +79,10 @@ class Scan:
   imports: list[Import]  # imports of package modules
   private: list[tuple[Import, str]]  # (import, private name used)
   internals: list[tuple[str, int, str]]  # (module, line, internal name)
+  # Imports of modules outside the package: (module, line, dotted name),
+  # ``from flax import nnx`` as ``flax.nnx``.
+  external: list[tuple[str, int, str]] = dataclasses.field(
+      default_factory=list)
 
 
 def file_of(key: str) -> str:
@@ -115,6 +119,7 @@ class _Visitor(ast.NodeVisitor):
     self.imports: list[Import] = []
     self.private: list[tuple[Import, str]] = []
     self.internals: list[tuple[str, int, str]] = []
+    self.external: list[tuple[str, int, str]] = []
     # Local names bound to a package module, by its dotted name ('_engine'
     # -> 'yax._src.rewrite.engine', 'yax' -> 'yax'), or to an outside
     # module ('jax' -> 'jax').
@@ -191,6 +196,7 @@ class _Visitor(ast.NodeVisitor):
           self.aliases[self.package] = self.package
       else:
         self._internal(alias.name, node.lineno)
+        self.external.append((self.module, node.lineno, alias.name))
         local = alias.asname or alias.name.split('.')[0]
         self.outside[local] = alias.name if alias.asname else local
 
@@ -213,6 +219,7 @@ class _Visitor(ast.NodeVisitor):
           break
       for alias, name in zip(node.names, names, strict=True):
         self.outside[alias.asname or alias.name] = name
+        self.external.append((self.module, node.lineno, name))
       return
     for alias in node.names:
       sub = self._key(f'{module}.{alias.name}')
@@ -280,6 +287,7 @@ def scan(package_dir: pathlib.Path, package: str = PACKAGE) -> Scan:
     out.imports += visitor.imports
     out.private += visitor.private
     out.internals += visitor.internals
+    out.external += visitor.external
   return out
 
 
@@ -468,6 +476,92 @@ def test_jax_and_flax_internals_only_in_compat(package):
          package.internals]
   assert not bad, ('JAX/Flax internals may only be used in '
                    'yax/_src/compat.py:\n  ' + '\n  '.join(bad))
+
+
+# ------------------------------------------- module systems as frontends
+
+TRACE = '_src.trace'  # the frontends of the module systems live here
+# What names a module system: the Flax and Equinox packages, and YAX's own
+# frontend modules for them (trace/nnx*.py, trace/equinox*.py). Everything
+# else reaches a module system through trace/systems.py.
+SYSTEM_PACKAGES = ('flax.nnx', 'flax.linen', 'equinox')
+SYSTEM_FRONTENDS = ('_src.trace.nnx', '_src.trace.equinox')
+# Modules outside trace/ let through for now, (importer, what it imports):
+# why. The test fails when one is no longer made, so the list only shrinks.
+SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ('_src.cli.bundled', 'flax.linen'): 'a bundled example model, in Linen',
+    ('_src.cli.bundled_nnx', 'flax.nnx'): 'a bundled example model, in NNX',
+    ('_src.tools.fewbit', 'flax.linen'):
+        'its replacement module (FewBit) is a Linen module',
+    ('_src.tools.lean_norm', 'flax.linen'):
+        'its replacement module (LeanNorm) is a Linen module; it replaces '
+        'nn.LayerNorm/nn.RMSNorm by type',
+    ('_src.tools.lean_norm', 'flax.nnx'):
+        'it recognises nnx.LayerNorm/nnx.RMSNorm calls by type (their body '
+        'is replaced, the call kept)',
+    ('_src.tools.cast', 'flax.linen'): 'rebuilds a Linen module at a dtype',
+    ('_src.tools.init_params', 'flax.linen'): 'rebuilds a Linen module to '
+        'initialize it',
+    ('_src.tools.init_params', 'flax.nnx'): 'rebuilds an NNX module to '
+        'initialize it',
+    ('_src.tools.lora', 'flax.linen'):
+        "boxes adapters like a kernel's nn.meta.AxisMetadata",
+    ('_src.rewrite.contraction', 'flax.linen'):
+        "rebuilds a Linen module to find a stacked kernel's axes",
+}
+
+
+def system_of(name: str) -> str | None:
+  """The module system a dotted name (an outside module or a package
+  module key) belongs to, or ``None``."""
+  for prefix in SYSTEM_PACKAGES:
+    if name == prefix or name.startswith(prefix + '.'):
+      return prefix
+  for frontend in SYSTEM_FRONTENDS:
+    tail = name.rpartition('.')[2]
+    if name.startswith(TRACE + '.') and (
+        name == frontend or tail.startswith(frontend.rpartition('.')[2] + '_')):
+      return name
+  return None
+
+
+def system_imports(found: Scan) -> list[tuple[str, int, str]]:
+  """(importer, line, module system) of each import of a module system by
+  a module outside trace/ and compat.py."""
+  out = [(m, line, system_of(name)) for m, line, name in found.external]
+  out += [(i.importer, i.line, system_of(i.target)) for i in found.imports]
+  return [(m, line, system) for m, line, system in out
+          if system is not None and package_of(m) != TRACE and m != COMPAT]
+
+
+def test_module_systems_are_reached_through_trace(package):
+  found = system_imports(package)
+  bad = [f'{PACKAGE}/{file_of(m)}:{line}: {m} imports {system}'
+         for m, line, system in found
+         if (m, system) not in SYSTEM_EXCEPTIONS]
+  assert not bad, (
+      'only yax/_src/trace/ (and compat.py) imports a module system (Flax '
+      'NNX/Linen, Equinox) or its frontend module; the others use '
+      'yax/_src/trace/systems.py:\n  ' + '\n  '.join(bad))
+  stale = sorted(set(SYSTEM_EXCEPTIONS) - {(m, s) for m, _, s in found})
+  assert not stale, (f'SYSTEM_EXCEPTIONS names imports no module makes any '
+                     f'more (remove them): {stale}')
+
+
+def test_scanner_finds_module_system_imports(tmp_path):
+  pkg = _package(tmp_path, {
+      '_src/__init__': '', '_src/trace/__init__': '', '_src/tools/__init__': '',
+      '_src/trace/nnx': 'from flax import nnx\n',
+      '_src/trace/nnx_graph': '', '_src/trace/systems': '',
+      '_src/tools/a': ('import flax.linen as nn\nfrom flax import struct\n'
+                       'from yax._src.trace import nnx_graph\n'
+                       'from yax._src.trace import systems\n'
+                       'def f():\n  import equinox as eqx\n'),
+      '_src/compat': 'from flax.nnx import graph\n'})
+  assert sorted(system_imports(scan(pkg))) == [
+      ('_src.tools.a', 1, 'flax.linen'), ('_src.tools.a', 3,
+                                          '_src.trace.nnx_graph'),
+      ('_src.tools.a', 6, 'equinox')]
 
 
 def _modules_of(package: str) -> list[str]:

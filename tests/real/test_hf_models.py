@@ -149,3 +149,54 @@ def test_gpt2_replay():
   paths = [m.path for m in modules(mox, 'FlaxConv1D')]
   assert ('h', '0', 'attn', 'c_attn') in paths
   assert assert_views_agree(mox) == len(modules(mox))
+
+
+# ------------------------------------------------------------- lean_norm
+
+def _lean_norm_check(model, mox, args, kwargs, norms, grads=True):
+  """lean_norm on a Hugging Face model: outputs within float rounding,
+  gradients equal to jax.grad of the plain model (``grads``: compiling
+  both gradients is the slow part), fewer saved residuals."""
+  from helpers import check_rewrite, saved_residuals
+  new = check_rewrite(yax.lean_norm(mox))
+  assert len(modules(new, 'LeanNorm')) == norms
+  assert not modules(new, 'LayerNorm')
+  mine = lambda *a, **k: yax.eval_mox(new, *a, **k)
+  assert_trees_close(jax.jit(mine)(*args, **kwargs), model(*args, **kwargs),
+                     **TOL)
+
+  def loss(f):
+    return lambda p: jnp.sum(jnp.sin(f(*args, **{**kwargs, 'params': p})
+                                     .last_hidden_state))
+
+  # Scales and biases away from 1 and 0, so their gradients matter.
+  leaves, tree = jax.tree_util.tree_flatten(kwargs['params'])
+  keys = jax.random.split(jax.random.key(3), len(leaves))
+  params = jax.tree_util.tree_unflatten(tree, [
+      a + 0.1 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+  if grads:
+    assert_trees_close(jax.jit(jax.grad(loss(mine)))(params),
+                       jax.jit(jax.grad(loss(model)))(params), rtol=1e-3,
+                       atol=1e-5)
+  lean = saved_residuals(loss(mine), params)
+  plain = saved_residuals(loss(model), params)
+  assert len(lean) < len(plain) - norms, (lean, plain)  # fewer per norm
+  return len(lean), len(plain)
+
+
+def test_bert_lean_norm(bert):
+  model, ids, mox = bert
+  # Embeddings' LayerNorm, then two per layer.
+  _lean_norm_check(model, mox, (ids,), {'params': model.params}, 5)
+
+
+def test_gpt2_lean_norm():
+  config = transformers.GPT2Config(vocab_size=99, n_positions=32, n_embd=32,
+                                   n_layer=2, n_head=4)
+  model = transformers.FlaxGPT2Model(config, seed=0)
+  ids = (jnp.arange(12).reshape(2, 6) * 5) % 99
+  kwargs = {'params': model.params}
+  mox = yax.make_mox(model)(ids, **kwargs)
+  # ln_1, ln_2 per block and ln_f; the same nn.LayerNorm as BERT's, whose
+  # gradients test_bert_lean_norm compares.
+  _lean_norm_check(model, mox, (ids,), kwargs, 5, grads=False)

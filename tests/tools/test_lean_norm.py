@@ -6,6 +6,7 @@ JAX's saved residuals: each norm keeps its input and per-row statistics
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -106,7 +107,129 @@ def test_refusals_and_input_unchanged():
   new = check_rewrite(yax.lean_norm(mox, fixed))
   np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
                              rtol=1e-5, atol=1e-5)
-  with pytest.raises(yax.SubstitutionError, match='not a flax.linen LayerNorm'):
+  with pytest.raises(yax.SubstitutionError, match='not a flax.linen or flax.nnx LayerNorm'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x),
         '//module_call[@type="Dense"]')
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.d = nnx.Linear(5, 16, rngs=rngs)
+    self.ln = nnx.LayerNorm(16, rngs=rngs)
+    self.rms = nnx.RMSNorm(16, epsilon=1e-5, rngs=rngs)
+    self.o = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.o(self.rms(self.ln(self.d(x))))
+
+
+def test_nnx_norms_keep_their_call_and_input_and_row_statistics():
+  graphdef, state = nnx.split(NnxNet(nnx.Rngs(0)))
+  state = perturbed(state)
+  x = 2.0 * jax.random.normal(jax.random.key(1), (6, 5)) + 1.0
+  plain = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(plain)(state, x)
+  before = mox.to_json()
+  new = check_rewrite(yax.lean_norm(mox))
+  assert mox.to_json() == before
+  # Each NNX call keeps its type, path and variables, marked lean="norm".
+  assert yax.query('//module_call[@lean="norm"]/@type', new) == [
+      'LayerNorm', 'RMSNorm']
+  mine = lambda s, x: yax.eval_mox(new, s, x)
+  np.testing.assert_allclose(mine(state, x), plain(state, x), rtol=1e-5,
+                             atol=1e-5)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(state, x),
+                     jax.grad(loss(plain), (0, 1))(state, x),
+                     rtol=2e-4, atol=2e-5)
+  lean = saved_residuals(loss(mine), state, x)
+  # ln keeps its input, mean and rstd; rms its input and rstd; the last
+  # Linear its input (rms's output); the loss cos of the output.
+  assert lean == sorted(['f32[6,16]'] * 3 + ['f32[6,1]'] * 3 + ['f32[6,4]'])
+  assert saved_residuals(loss(plain), state, x).count('f32[6,16]') > 6
+  # The module object form (the model itself traced) as well.
+  model = nnx.merge(graphdef, state)
+  direct = check_rewrite(yax.lean_norm(yax.make_mox(model)(x)))
+  np.testing.assert_allclose(yax.eval_mox(direct, x), model(x), rtol=1e-5,
+                             atol=1e-5)
+
+
+class Mlp(nn.Module):
+  """A norm, then a GELU (tanh form) in a block and a SiLU outside it."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name='ln')(x)
+    h = Up(name='up')(h)
+    return nn.Dense(4, name='down')(nn.silu(nn.Dense(16, name='mid')(h)))
+
+
+class Up(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.gelu(nn.Dense(32)(x), approximate=True)
+
+
+def test_activations_keep_their_input_only():
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  v = perturbed(model.init(jax.random.key(0), x))
+  mox = yax.make_mox(model.apply)(v, x)
+  new = check_rewrite(yax.lean_norm(mox, activations=True))
+  assert yax.query('//module_call[@type="LeanActivation"]/@name', new) == [
+      'gelu_tanh', 'silu']
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  # The norm rounds differently (fast variance); the activations not.
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
+                             atol=1e-6)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=2e-4, atol=2e-5)
+  # A model with no norm: the activations alone; outputs bit for bit.
+  up = Up()
+  vu = perturbed(up.init(jax.random.key(2), x))
+  acts = check_rewrite(yax.lean_norm(yax.make_mox(up.apply)(vu, x),
+                                     activations=True))
+  only = lambda v, x: yax.eval_mox(acts, v, x)
+  np.testing.assert_array_equal(only(vu, x), up.apply(vu, x))
+  assert_trees_close(jax.grad(loss(only), (0, 1))(vu, x),
+                     jax.grad(loss(up.apply), (0, 1))(vu, x),
+                     rtol=1e-6, atol=1e-7)
+
+  lean = saved_residuals(loss(mine), v, x)
+  # ln: mean, rstd (its input is the argument x); up's Dense its input
+  # (ln's output); GELU its input only; mid its input (GELU's output);
+  # SiLU its input only; down its input (SiLU's output); cos for the loss.
+  assert lean == sorted(['f32[6,8]', 'f32[6,1]', 'f32[6,1]'] +
+                        ['f32[6,32]'] * 2 + ['f32[6,16]'] * 2 + ['f32[6,4]'])
+  plain = saved_residuals(loss(model.apply), v, x)
+  assert plain.count('f32[6,32]') >= 4 and plain.count('f32[6,16]') >= 3
+  # Only under the calls an XPath selects.
+  up_only = check_rewrite(yax.lean_norm(mox, activations='//*[@name="up"]'))
+  assert yax.query('//module_call[@type="LeanActivation"]/@path',
+                   up_only) == ['up/gelu_tanh']
+
+
+def test_activations_compose_with_fewbit():
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  v = perturbed(model.init(jax.random.key(0), x))
+  mox = yax.make_mox(model.apply)(v, x)
+  few = yax.fewbit(mox, '//module_call[@name="up"]', bits=3)
+  new = check_rewrite(yax.lean_norm(few, activations=True))
+  # The GELU stays FewBit (its 3-bit codes: 6 * 32 * 3 / 8 = 72 bytes);
+  # the SiLU keeps its input.
+  assert yax.query('//module_call[@type="FewBit"]/@name', new) == [
+      'gelu_tanh']
+  assert yax.query('//module_call[@type="LeanActivation"]/@name', new) == [
+      'silu']
+  lean = saved_residuals(loss(lambda v, x: yax.eval_mox(new, v, x)), v, x)
+  assert 'u8[72]' in lean and lean.count('f32[6,16]') == 2
+  # Every activation FewBit already: the norms alone change.
+  every = yax.fewbit(mox, bits=3)
+  again = check_rewrite(yax.lean_norm(every, activations=True))
+  assert len(yax.query('//module_call[@type="FewBit"]', again)) == 2
+  assert not yax.query('//module_call[@type="LeanActivation"]', again)
+  with pytest.raises(yax.SubstitutionError, match='no supported activation'):
+    yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
+        nn.Dense(3).init(jax.random.key(0), x), x), activations=True)

@@ -717,14 +717,14 @@ def test_graph_listing_matches_nnx_split():
   ``nnx.split``, each shared one once, on a model written here and on the
   bundled Transformer."""
   from yax._src.cli import bundled_nnx as _bundled_nnx
-  from yax._src.trace.nnx import _VARIABLE, graph_nodes
+  from yax._src.trace.nnx_graph import VARIABLE, graph_nodes
   bundled, _ = _bundled_nnx.make()
   to_flat = getattr(nnx, 'to_flat_state', None) or (lambda s: s.flat_state())
   for model in (Odd(rngs=rngs()), bundled):
     _, state = nnx.split(model)
     expected = [(tuple(path), id(value(var))) for path, var in to_flat(state)]
     found = [(path, id(value(node))) for path, node, kind in graph_nodes(model)
-             if kind == _VARIABLE]
+             if kind == VARIABLE]
     assert len(found) > 20
     assert found == expected
 
@@ -844,14 +844,14 @@ def test_pytree_split_is_nnx_split():
   them is shared: the state is nnx.split's, path for path, Variable type
   for Variable type, value for value, in the same order."""
   from yax._src.cli import bundled_nnx as _bundled_nnx
-  from yax._src.trace.nnx import PytreeGraph, _pytree_split
+  from yax._src.trace.nnx_arguments import PytreeGraph, pytree_split
   to_flat = getattr(nnx, 'to_flat_state', None) or (lambda s: s.flat_state())
   bundled, _ = _bundled_nnx.make()
   models = [MLP(4, 8, 2, rngs=rngs()), Noisy(rngs=rngs()),
             Attention(rngs=rngs()), ScanStack(4, 3, rngs=rngs()),
             Plain(rngs=rngs()), bundled]
   for nodes in [(m,) for m in models] + [(models[0], models[1], rngs())]:
-    found = _pytree_split(nodes)
+    found = pytree_split(nodes)
     assert found is not None, nodes
     graphdef, state = found
     assert isinstance(graphdef, PytreeGraph)
@@ -865,17 +865,17 @@ def test_shared_graphs_are_split_by_nnx():
   """A module, Variable or other graph node reached twice (within one
   argument or across two) is split by nnx.split: a pytree flatten would
   make two of it."""
-  from yax._src.trace.nnx import _pytree_split
+  from yax._src.trace.nnx_arguments import pytree_split
   tied, shared = Odd(rngs=rngs()), Shared(rngs=rngs())
   stateless = SharedStateless(rngs=rngs())
   mlp = MLP(4, 8, 2, rngs=rngs())
   for nodes in [(tied,), (shared,), (stateless,), (mlp, mlp.fc1),
                 (mlp, mlp)]:
-    assert _pytree_split(nodes) is None, nodes
+    assert pytree_split(nodes) is None, nodes
 
 
 def test_an_array_attribute_is_split_by_nnx():
-  from yax._src.trace.nnx import _pytree_split
+  from yax._src.trace.nnx_arguments import pytree_split
 
   class WithArray(nnx.Module):
     def __init__(self):
@@ -885,7 +885,7 @@ def test_an_array_attribute_is_split_by_nnx():
       return x * self.w
 
   model = WithArray()
-  assert _pytree_split((model,)) is None
+  assert pytree_split((model,)) is None
   mox = check_model(model, jnp.ones((2, 3)))
   assert len(mox.inputs) == 2
 

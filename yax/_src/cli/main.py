@@ -207,8 +207,8 @@ def load_model(spec: str | None) -> tuple[Any, tuple, dict, str]:
              f'a {type(result).__name__}')
     raise _Failure(f'factory {spec} returned {found}, {expected}')
   fn, args, kwargs = result
-  from yax._src.trace import nnx as _nnx
-  fn, args = _nnx.module_as_argument(fn, args)  # an NNX model is traced
+  from yax._src.trace import systems as _systems
+  fn, args = _systems.module_as_argument(fn, args)  # a model is traced
   if not callable(fn):                          # as an argument
     raise _Failure(f'factory {spec} returned fn={type(fn).__name__} that is not '
                    f'callable, {expected}')

@@ -20,7 +20,7 @@ from jax import export as jex
 from yax._src import compat as _compat
 from yax._src.errors import SignatureError
 from yax._src.ir.nodes import Equation, Literal, Mox
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 from yax._src.trace.eval import Interpreter, check_arguments
 
 
@@ -118,7 +118,7 @@ def export(mox: Mox, /, *args, platforms=None, **kwargs) -> jex.Exported:
     if mox.out_tree is None:
       return outs
     result = jax.tree_util.tree_unflatten(mox.out_tree, outs)
-    return _nnx.apply_updates(result, args, kwargs)
+    return _systems.apply_updates(result, args, kwargs)
 
   kw = {} if platforms is None else {'platforms': platforms}
   return jex.export(jax.jit(model), **kw)(*spec_args, **spec_kwargs)

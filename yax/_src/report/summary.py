@@ -104,9 +104,10 @@ def variable_groups(mox: Mox) -> dict[str, list[Symbol]]:
   """The module call's variable inputs grouped by collection name."""
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
-  from yax._src.trace import nnx as _nnx
-  if _nnx.var_kinds(mox) is not None:  # NNX: grouped by Variable type
-    return _nnx.variable_groups(mox)
+  from yax._src.trace import systems as _systems
+  typed = _systems.typed_variable_groups(mox)  # NNX, Equinox: by kind
+  if typed is not None:
+    return typed
   tree = _var_tree(mox)
   if tree is None:
     return {'variables': list(mox.var_inputs)}
@@ -123,9 +124,11 @@ def own_variables(mox: Mox) -> dict[str, dict[str, Symbol]]:
   leaves directly under each collection, and the leaves of a variable whose
   value is a dict (``'p/a'``); sub-dicts where a module call inside sits
   are its submodules'."""
-  from yax._src.trace import nnx as _nnx
-  if isinstance(mox, Mox) and _nnx.var_kinds(mox) is not None:
-    return _nnx.own_variables(mox)  # NNX: by Variable type, as nnx.state
+  from yax._src.trace import systems as _systems
+  typed = (_systems.typed_own_variables(mox) if isinstance(mox, Mox)
+           else None)
+  if typed is not None:  # NNX, Equinox: by kind, as nnx.state shows them
+    return typed
   if not isinstance(mox, Mox) or mox.num_vars == 0:
     return {}
   n = len(mox.path)
@@ -189,7 +192,7 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   if not isinstance(mox, Mox) or mox.num_vars or mox.in_tree is None:
     return {}
   from yax._src.rewrite import engine as _engine
-  from yax._src.trace import nnx as _nnx
+  from yax._src.trace import systems as _systems
   reads = reads if reads is not None else ParamReads(mox)
   read: dict[int, Symbol] = {}
   for node in outermost_calls(mox):
@@ -204,7 +207,7 @@ def unread_params(mox: Mox, reads: ParamReads | None = None
   # The traced arguments with each leaf's index in place of its value (in
   # parts, where a pytree node of the user's refuses such placeholders).
   arguments = [sub for _, sub in placeholder_parts(mox.in_tree)]
-  in_variables = _nnx.param_leaves(arguments)
+  in_variables = _systems.param_leaves(arguments)
   linen = located.collections.get(PARAMS)
   prefixes = sorted(located.collections.values(), key=len, reverse=True)
   out = {}

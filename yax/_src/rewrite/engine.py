@@ -42,8 +42,7 @@ from yax._src.ir.variables import (NNX_GROUP, VarEntry, key_name,
                                    leaf_keypaths, location, unboxed_path,
                                    var_entries, var_keys, var_kind,
                                    with_variables)
-from yax._src.trace import equinox as _eqx
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 
 Replacement = Union[Expr, Callable[[tuple, Expr], Expr]]
 
@@ -391,8 +390,7 @@ class _Substitution:
         continue  # the variable lives outside this module's scope
       rel = tuple(loc[1 + n:])
       kind = self.kinds.get(loc, 'Param') if loc[0] == NNX_GROUP else loc[0]
-      is_param = (_nnx.is_param_kind(kind) if loc[0] == NNX_GROUP
-                  else kind == 'params')
+      is_param = _systems.is_param(loc[0], kind)
       added.append(VarEntry(loc[0], kind, rel, is_param, len(rel) == 1, sym))
     return with_variables(node, var_inputs, added)
 
@@ -790,17 +788,14 @@ class _Substitution:
     in_tree = root.in_tree
     if frame.new_vars or frame.new_args or frame.named:
       placeholders = jtu.tree_unflatten(in_tree, inputs)
-      # NNX-encoded variables in an Equinox model are plain arrays there.
-      boxed = not _eqx.holds_modules(placeholders)
+      box = _systems.new_variable_boxer(placeholders)
       seen = set()
       for loc, sym in frame.new_vars:
         if loc in seen:
           continue
         seen.add(loc)
         prefix = self.collection_prefix(loc[0])
-        value = sym
-        if loc[0] == NNX_GROUP and boxed:  # a Variable of its type in the NNX state
-          value = _nnx.variable_holding(self.kinds.get(loc, 'Param'), sym)
+        value = box(loc[0], self.kinds.get(loc, 'Param'), sym)
         placeholders = set_in(placeholders, (*prefix, *loc[1:]), value)
       if frame.new_args:
         args, kwargs = placeholders

@@ -34,47 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Equation, Literal, Mox, iter_nodes
-from yax._src.rewrite import pattern as _pattern
+from yax._src.ir.nodes import Mox, iter_nodes
+from yax._src.rewrite import activations as _activations
+from yax._src.rewrite.activations import ACTIVATIONS, LEAKY_SLOPE
 from yax._src.rewrite.engine import describe, select, substitute
 from yax._src.tools.fewbit_tables import TABLES
-from yax._src.trace.make import make_mox, opened
+from yax._src.trace.make import make_mox
 
 BITS = (1, 2, 3, 4, 8)
-
-
-def _gelu(x):
-  return jax.nn.gelu(x, approximate=False)
-
-
-def _gelu_tanh(x):
-  return jax.nn.gelu(x, approximate=True)
-
-
-# Supported activations, by the name a FewBit call carries. The order is
-# the search order: an activation built from others (Mish from softplus and
-# tanh, SiLU from sigmoid, hard swish from hard sigmoid from ReLU6) is
-# matched before its parts, so its parts are not taken alone.
-ACTIVATIONS: dict[str, Callable] = {
-    'mish': jax.nn.mish,
-    'hard_swish': jax.nn.hard_swish,
-    'gelu_tanh': _gelu_tanh,
-    'gelu': _gelu,
-    'silu': jax.nn.silu,
-    'elu': jax.nn.elu,
-    'hard_sigmoid': jax.nn.hard_sigmoid,
-    'relu6': jax.nn.relu6,
-    'leaky_relu': jax.nn.leaky_relu,
-    'hard_tanh': jax.nn.hard_tanh,
-    'softplus': jax.nn.softplus,
-    'sigmoid': jax.nn.sigmoid,
-    'tanh': jnp.tanh,
-    'relu': jax.nn.relu,
-}
-
-
-# Leaky ReLU's slope where none is given (``jax.nn.leaky_relu``'s default).
-LEAKY_SLOPE = 0.01
 
 
 def _leaky_table(bits: int, slope: float):
@@ -196,113 +163,6 @@ class FewBit(nn.Module):
     return fewbit_function(self.name, self.bits, self.slope)(x)
 
 
-def _fewbit_paths(mox: Mox) -> list[tuple]:
-  return [n.path for n in iter_nodes(mox)
-          if isinstance(n, Mox) and n.module_ty is FewBit]
-
-
-def _inside(path: tuple, paths) -> bool:
-  return any(tuple(path[:len(p)]) == tuple(p) for p in paths)
-
-
-def _elementwise(eqn: Equation) -> bool:
-  """Each input has the output's shape or is a scalar; one is an array."""
-  out = tuple(getattr(eqn.outputs[0].aval, 'shape', ()))
-  shapes = [tuple(getattr(s.aval, 'shape', ())) for s in eqn.inputs]
-  return bool(out) and out in shapes and all(s in (out, ()) for s in shapes)
-
-
-def _elementwise_found(nodes) -> list[str]:
-  """Names of the element-wise equations under ``nodes``, for errors."""
-  seen: dict[str, None] = {}
-  for node in nodes:
-    for n in iter_nodes(node):
-      if isinstance(n, Equation) and len(n.outputs) == 1 and not \
-          n.children and n.prim.name not in ('copy', 'convert_element_type') \
-          and _elementwise(n):
-        seen.setdefault(n.params.get('name') or n.prim.name, None)
-  return list(seen)
-
-
-def _within(eqn: Equation) -> set[int]:
-  """Ids of ``eqn`` and of every equation in its bodies, opened ones
-  included (a ``jit``-ed SiLU holds the sigmoid that must not be taken
-  alone)."""
-  ids, stack = set(), [eqn]
-  while stack:
-    node = stack.pop()
-    ids.add(id(node))
-    stack.extend(getattr(node, 'children', ()))
-    if isinstance(node, Equation):
-      holder = opened(node)
-      if holder is not None:
-        stack.extend(holder.children)
-  return ids
-
-
-def _leaky_slope(eqn: Equation) -> float | None:
-  """The negative slope of a ``jit[name=leaky_relu]`` equation when it is
-  a literal (``jax.nn.leaky_relu(x, 0.1)``), else None."""
-  if not isinstance(eqn, Equation) or eqn.prim.name != 'jit' or \
-      eqn.params.get('name') != 'leaky_relu' or \
-      len(eqn.inputs) != 2 or not isinstance(eqn.inputs[1], Literal):
-    return None
-  try:
-    return float(eqn.inputs[1].value)
-  except (TypeError, ValueError):  # not a number: no leaky ReLU of ours
-    return None
-
-
-def _leaky_slopes(mox: Mox) -> list[float]:
-  """Every slope a leaky ReLU of the tree is given explicitly as a literal
-  (opened bodies included): each is searched as its own pattern."""
-  slopes: dict[float, None] = {}
-  stack = [mox]
-  while stack:
-    node = stack.pop()
-    if isinstance(node, Equation):
-      slope = _leaky_slope(node)
-      if slope is not None:
-        slopes.setdefault(slope, None)
-      holder = opened(node)
-      if holder is not None:
-        stack.extend(holder.children)
-    stack.extend(getattr(node, 'children', ()))
-  return list(slopes)
-
-
-def _patterns(mox: Mox):
-  """``(activation, function)`` in search order; leaky ReLU with its
-  default slope (baked into the jaxpr as a constant), then once per slope
-  given explicitly (a literal input of its ``jit``; a pattern matches
-  literals by value)."""
-  for name, fn in ACTIVATIONS.items():
-    yield name, fn
-    if name != 'leaky_relu':
-      continue
-    for slope in _leaky_slopes(mox):
-      yield name, functools.partial(fn, negative_slope=slope)
-
-
-def _find(mox: Mox, within) -> list[tuple[str, list]]:
-  """``(activation, matches)`` per supported activation, in search order,
-  with no equation in two matches and none inside a FewBit call."""
-  taken: set[int] = set()
-  skip = _fewbit_paths(mox)
-  found = []
-  for name, fn in _patterns(mox):
-    chosen = []
-    for m in _pattern.match(fn, mox, within=within):
-      if any(id(e) in taken for e in m.equations) or _inside(m.path, skip):
-        continue
-      for e in m.equations:
-        taken |= _within(e)
-      chosen.append(m)
-    if chosen:
-      found.append((name, fn, chosen))
-  return found
-
-
 def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
   """Gives every supported activation a few-bit backward pass.
 
@@ -342,12 +202,12 @@ def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
           f'fewbit searches module calls, but the selection '
           f'{describe(selection)} holds '
           f'{describe(next(n for n in within if not isinstance(n, Mox)))}')
-  found = _find(mox, within)
+  found = _activations.find(mox, within)
   if not found:
     where = 'the tree' if selection is None else (
         repr(selection) if isinstance(selection, str) else
         describe(selection))
-    ops = _elementwise_found(within if within is not None else [mox])
+    ops = _activations.elementwise_found(within if within is not None else [mox])
     raise SubstitutionError(
         f'fewbit found no supported activation in {where}; found the '
         f'element-wise operations {", ".join(ops) or "(none)"}; supported: '
@@ -356,13 +216,7 @@ def fewbit(mox: Mox, selection=None, *, bits: int = 3) -> Mox:
   # keeps the group's fresh path), one activation at a time: matches are
   # found again on each grouped tree and kept where they are the same
   # equations as found on the original (equations are kept by grouping).
-  tree, nodes = mox, []
-  for name, fn, matches in found:
-    wanted = {frozenset(id(e) for e in m.equations) for m in matches}
-    again = [m for m in _pattern.match(fn, tree)
-             if frozenset(id(e) for e in m.equations) in wanted]
-    tree, grouped = _pattern.group_matches(tree, again, name)
-    nodes.extend(grouped)
+  tree, nodes = _activations.group(mox, found)
   replacement = _Replacement(bits)
   return substitute(nodes, replacement, tree).mox
 
@@ -378,7 +232,7 @@ class _Replacement:
     (x,) = node.arg_inputs
     slope = None
     if node.name == 'leaky_relu':
-      slopes = [s for s in map(_leaky_slope, iter_nodes(node))
+      slopes = [s for s in map(_activations.leaky_slope, iter_nodes(node))
                 if s is not None]
       # The default slope (as the trace's float32 rounds it) stays None.
       if slopes and float(np.float32(slopes[0])) != float(

@@ -33,7 +33,7 @@ from yax._src.ir.nodes import Mox, Symbol, iter_nodes
 from yax._src.ir.variables import (NNX_GROUP, key_name, location, unboxed_path,
                                    var_entries)
 from yax._src.rewrite.engine import collections_of
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 
 
 def _declared(mox: Mox) -> dict:
@@ -197,7 +197,7 @@ def init_params(mox: Mox, params, *, key):
     elif col == NNX_GROUP:
       entry = next(e for e in var_entries(node)
                    if location(node, e) == loc)
-      value = _nnx.variable_holding(entry.kind, value)
+      value = _systems.typed_variable(entry.kind, value)
     values.append((path, value))
   return set_many(params, values)
 
@@ -239,7 +239,7 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
     elif k[0] == NNX_GROUP and native(k) in boxes:
       out.append((native(k), jtu.tree_unflatten(boxes[native(k)], [value])))
     elif k[0] == NNX_GROUP:
-      out.append((native(k), _nnx.variable_holding(kinds[k], value)))
+      out.append((native(k), _systems.typed_variable(kinds[k], value)))
     else:
       out.append((native(k), value))
   return out

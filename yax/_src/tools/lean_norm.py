@@ -15,9 +15,23 @@ features.
 
 The forward pass computes the norm in float32 as Flax does (equal within
 float rounding, not bit for bit: Flax's fast variance is ``E[x^2] -
-E[x]^2``, used here too). A selected call is substituted by a
+E[x]^2``, used here too). A selected Linen call is substituted by a
 ``LeanNorm`` module call at the same path reading the same ``scale`` and
-``bias`` variables.
+``bias`` variables. An NNX call (``nnx.LayerNorm``/``nnx.RMSNorm``) keeps
+its type, path, fields and variables; its body becomes the ``custom_vjp``
+and it gains the field ``lean="norm"``.
+
+With ``activations=``, element-wise activations keep one tensor too.
+JAX's autodiff of an activation keeps what its derivative's formula reads:
+GELU's tanh form keeps its input, its square, the tanh and more (four or
+five full-size tensors), SiLU its input and the sigmoid. A
+``LeanActivation`` call keeps only its input ``x`` and, in the backward
+pass, computes ``f'(x) * g`` from it again (``jax.vjp`` of the same
+function at ``x``: the gradient of plain code, recomputed element-wise).
+Activations are found by data flow as ``yax.fewbit`` finds them (the same
+list: GELU in both forms, SiLU, ReLU, ...), and a ``FewBit`` call is left
+as it is: ``fewbit`` then ``lean_norm(activations=True)`` keeps fewbit's
+codes where fewbit chose and one tensor everywhere else.
 """
 
 from __future__ import annotations
@@ -27,10 +41,14 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Mox
+from yax._src.ir.nodes import Literal, Mox, iter_nodes
+from yax._src.rewrite import activations as _activations
 from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
+from yax._src.views.query import query
 from yax._src.trace.make import make_mox
 
 DEFAULT = '//module_call[@type="LayerNorm" or @type="RMSNorm"]'
@@ -114,6 +132,8 @@ class LeanNorm(nn.Module):
 
 
 _SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
+# NNX norms keep their call (type, path, variables); only the body changes.
+_NNX = {nnx.LayerNorm: False, nnx.RMSNorm: True}
 
 
 def _last_axis(value) -> bool:
@@ -121,9 +141,13 @@ def _last_axis(value) -> bool:
 
 
 def _why_not(node) -> str | None:
-  if not isinstance(node, Mox) or node.module_ty not in _SUPPORTED:
-    return ('it is not a flax.linen LayerNorm or RMSNorm call (lean_norm '
-            'rewrites those)')
+  if not isinstance(node, Mox) or (node.module_ty not in _SUPPORTED and
+                                   node.module_ty not in _NNX):
+    return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
+            '(lean_norm rewrites those)')
+  if node.rewritten:
+    return ('another rewrite changed its variables (rewritten="true"); '
+            'lean_norm reads a norm\'s own scale and bias')
   p = node.params
   if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
       p.get('feature_axes', -1)):
@@ -135,24 +159,166 @@ def _why_not(node) -> str | None:
   if len(node.arg_inputs) != 1:
     return f'it takes {len(node.arg_inputs)} arguments, expected one'
   x = node.arg_inputs[0]
+  if isinstance(x, Literal) or not getattr(x.aval, 'shape', ()):
+    return 'its argument is not a traced array with a feature axis'
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
+  if node.module_ty in _NNX:
+    names = _nnx_names(node)
+    wanted = {'scale'} if p.get('use_scale', True) else set()
+    if p.get('use_bias', True) and not _NNX[node.module_ty]:
+      wanted.add('bias')
+    if names is None or set(names) != wanted:
+      return (f'it reads the variables {names!r}, expected '
+              f'{sorted(wanted)!r} (its own scale/bias)')
   return None
 
 
-def lean_norm(mox: Mox, selection=None) -> Mox:
+def _nnx_names(node: Mox) -> list | None:
+  """The name of each variable input of an NNX call, in input order, or
+  None when they are not top-level names."""
+  names = []
+  for path, _ in jtu.tree_flatten_with_path(
+      jtu.tree_unflatten(node.var_tree, list(range(node.num_vars))))[0]:
+    if len(path) != 1:
+      return None
+    key = path[0]
+    names.append(getattr(key, 'key', getattr(key, 'name', None)))
+  return names
+
+
+def _nnx_replacement(node: Mox) -> Mox:
+  """The NNX call with its body replaced by the lean ``custom_vjp``: same
+  inputs (variables, then ``x``), outputs, type, path and fields."""
+  p = node.params
+  rms = _NNX[node.module_ty]
+  use_scale = p.get('use_scale', True)
+  use_bias = p.get('use_bias', True) and not rms
+  fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
+  names = _nnx_names(node)
+
+  def run(values):
+    own = dict(zip(names, values[:node.num_vars]))
+    return fn(values[node.num_vars], own.get('scale'), own.get('bias'))
+
+  root = make_mox(run)([jax.ShapeDtypeStruct(tuple(s.aval.shape),
+                                             s.aval.dtype)
+                        for s in node.inputs])
+  call = Mox(root.inputs, root.outputs, {**p, 'lean': 'norm'},
+             children=root.children, module_ty=node.module_ty,
+             entrypoint=node.entrypoint, path=node.path,
+             in_tree=node.in_tree, out_tree=node.out_tree,
+             var_tree=node.var_tree)
+  return Mox(root.inputs, root.outputs, {}, children=[call],
+             constvars=root.constvars, consts=root.consts)
+
+
+@functools.lru_cache(maxsize=None)
+def lean_activation_function(name: str, slope: float | None = None):
+  """The activation ``name`` (a key of the activations ``fewbit`` finds)
+  whose backward pass keeps its input only; ``slope``: leaky ReLU's
+  negative slope where it is not the default."""
+  fn = _activations.ACTIVATIONS[name]
+  if slope is not None:
+    fn = functools.partial(fn, negative_slope=slope)
+
+  @jax.custom_vjp
+  def f(x):
+    return fn(x)
+
+  def f_fwd(x):
+    return fn(x), x
+
+  def f_bwd(x, g):
+    return jax.vjp(fn, x)[1](g)
+
+  f.defvjp(f_fwd, f_bwd)
+  f.__name__ = f'lean_{name}'
+  return f
+
+
+class LeanActivation(nn.Module):
+  """An element-wise activation (``name``, as ``FewBit``'s) whose backward
+  pass keeps its input only and recomputes the derivative from it."""
+  slope: float | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    return lean_activation_function(self.name, self.slope)(x)
+
+
+class _ActivationReplacement:
+  """``(path, group node) -> LeanActivation`` call traced at its input."""
+
+  def __init__(self):
+    self.cache: dict = {}
+
+  def __call__(self, path, node: Mox) -> Mox:
+    del path
+    (x,) = node.arg_inputs
+    slope = None
+    if node.name == 'leaky_relu':
+      slopes = [v for v in map(_activations.leaky_slope, iter_nodes(node))
+                if v is not None]
+      # The default slope (as the trace's float32 rounds it) stays None.
+      if slopes and float(jnp.float32(slopes[0])) != float(
+          jnp.float32(_activations.LEAKY_SLOPE)):
+        slope = slopes[0]
+    key = (node.name, slope, tuple(x.aval.shape), jnp.dtype(x.aval.dtype))
+    traced = self.cache.get(key)
+    if traced is None:
+      module = LeanActivation(name=node.name, slope=slope)
+      spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
+      traced = self.cache[key] = make_mox(module.apply)({}, spec)
+    return traced
+
+
+def _lean_activations(mox: Mox, where) -> Mox:
+  """Every supported activation under ``where`` (True: the whole tree; an
+  XPath: the module calls it selects) as a ``LeanActivation`` call."""
+  within = None
+  if where is not True:
+    within = list(select(where, mox).targets)
+    if not all(isinstance(n, Mox) for n in within):
+      raise SubstitutionError(
+          f'lean_norm: activations={where!r} must select module calls to '
+          f'search; it holds '
+          f'{describe(next(n for n in within if not isinstance(n, Mox)))}')
+  found = _activations.find(mox, within)
+  done = [n for top in (within or [mox]) for n in iter_nodes(top)
+          if isinstance(n, Mox) and n.type_name in _activations.REWRITTEN]
+  if not found and done:  # every activation is FewBit or lean already
+    return mox
+  if not found:
+    ops = _activations.elementwise_found(within if within is not None
+                                         else [mox])
+    place = 'the tree' if where is True else repr(where)
+    raise SubstitutionError(
+        f'lean_norm: activations={where!r} found no supported activation '
+        f'in {place} (FewBit and LeanActivation calls are left as they '
+        f'are); found the element-wise operations '
+        f'{", ".join(ops) or "(none)"}; supported: '
+        f'{", ".join(_activations.ACTIVATIONS)}')
+  tree, nodes = _activations.group(mox, found)
+  return substitute(nodes, _ActivationReplacement(), tree).mox
+
+
+def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   """LayerNorm/RMSNorm calls that keep their input and per-row statistics
   for the backward pass, with exact gradients.
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath or node list of ``flax.linen`` ``LayerNorm`` /
-    ``RMSNorm`` calls; ``None`` selects every one.
+  - ``selection``: XPath or node list of ``flax.linen`` or ``flax.nnx``
+    ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every one.
 
-  **Returns:** the new tree: each selected call is a ``LeanNorm`` call at
-  the same path, reading the same ``scale``/``bias``; outputs equal the
-  original's within float rounding, gradients exact.
+  **Returns:** the new tree: each selected Linen call is a ``LeanNorm``
+  call at the same path, reading the same ``scale``/``bias``; each NNX
+  call keeps its type, path and variables and gains ``lean="norm"``;
+  each activation found is a ``LeanActivation`` call (attribute ``name``:
+  the activation). Outputs equal the original's within float rounding
+  (activations: bit for bit), gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
   rewrite (not a Linen LayerNorm/RMSNorm, another axis, a cross-device
@@ -161,12 +327,20 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
 
   Example::
 
-      lean = yax.lean_norm(mox)
+      lean = yax.lean_norm(mox, activations=True)
       grads = jax.grad(lambda p: loss(yax.eval_mox(lean, p, x)))(params)
   """
   if not isinstance(mox, Mox):
     raise SubstitutionError(
         f'lean_norm expects a Mox, found {type(mox).__name__}')
+  if activations is not False and activations is not True and \
+      not isinstance(activations, str):
+    raise SubstitutionError(
+        f'lean_norm: activations must be False, True or an XPath of module '
+        f'calls, found {activations!r}')
+  if selection is None and activations is not False and \
+      not query(DEFAULT, mox):
+    return _lean_activations(mox, activations)
   chosen = select(DEFAULT if selection is None else selection, mox)
   problems = [(n, why) for n in chosen.targets
               if (why := _why_not(n)) is not None]
@@ -182,6 +356,8 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
 
   def replace(path, node):
     del path
+    if node.module_ty in _NNX:
+      return _nnx_replacement(node)
     p = node.params
     x = node.arg_inputs[0]
     module = LeanNorm(rms=_SUPPORTED[node.module_ty],
@@ -195,4 +371,7 @@ def lean_norm(mox: Mox, selection=None) -> Mox:
     variables = jax.eval_shape(module.init, jax.random.key(0), spec)
     return make_mox(module.apply)(variables, spec)
 
-  return substitute(chosen, replace, mox).mox
+  new = substitute(chosen, replace, mox).mox
+  if activations is False:
+    return new
+  return _lean_activations(new, activations)

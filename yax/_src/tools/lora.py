@@ -82,7 +82,7 @@ from yax._src.rewrite.engine import (IN_PLACE, Selection, collections_of,
                                      inline, leave_out_hint, select, substitute)
 from yax._src.rewrite.quant_formats import dequantize_kernel
 from yax._src.rewrite.recipe import recorded
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 from yax._src.trace.make import make_mox
 from yax._src.tools import lora_files as _files
 from yax._src.version import __version__
@@ -864,7 +864,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
   collections = collections_of(mox)
   group = NNX_GROUP if NNX_GROUP in collections else 'params'
   if group == NNX_GROUP:
-    if _nnx.holds_graph_argument(mox):
+    if _systems.holds_module_argument(mox):
       raise SubstitutionError(
           'lora on an NNX tree needs the split form, where the parameters are '
           'an argument: graphdef, state = nnx.split(model); mox = '
@@ -1072,7 +1072,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
         loc[-1]]
     if role == 'w':  # a named adapter's weight: 1, frozen
       value = jnp.ones((), dtype)
-      box = (functools.partial(_nnx.variable_holding, 'Param')
+      box = (functools.partial(_systems.typed_variable, 'Param')
              if group == NNX_GROUP else (lambda v: v))
       values.append(((*inside, *loc[1:]), box(value)))
       flags.append(((*inside, *loc[1:]), box(False)))
@@ -1516,12 +1516,12 @@ def _adapter_box(kernel, plan: _contraction.KernelPlan, is_a: bool,
     # DoRA's magnitude: B's axes without the rank.
     return found[1:] if magnitude and found is not None else found
   if is_nnx:
-    found = _nnx.sharding_names(kernel)
+    found = _systems.sharding_names(kernel)
     names = adapter_names(found[1]) if found else None
     if names is None:
-      return lambda v: _nnx.variable_holding('LoRAParam', v)
-    return lambda v: _nnx.variable_like('LoRAParam', v, kernel,
-                                        **{found[0]: names})
+      return lambda v: _systems.typed_variable('LoRAParam', v)
+    return lambda v: _systems.typed_variable_like('LoRAParam', v, kernel,
+                                                  **{found[0]: names})
   names = getattr(kernel, 'names', None)
   if isinstance(kernel, nn.meta.AxisMetadata) and isinstance(
       names, (tuple, list)) and adapter_names(names) is not None:

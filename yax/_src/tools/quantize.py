@@ -39,7 +39,7 @@ from yax._src.rewrite.quant_formats import (FORMATS, dequantize_array,
                                             dequantize_kernel,
                                             quantize_array,
                                             quantize_kernel, scale_shape)
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 from yax._src.trace.make import make_mox
 
 @dataclasses.dataclass
@@ -413,7 +413,7 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
     # a plain array in a Linen dict or an Equinox module.
     values.append((scale_path[len(where):], scale if group != NNX_GROUP
                    or kernel is boxed
-                   else _nnx.variable_holding('Param', scale)))
+                   else _systems.typed_variable('Param', scale)))
     stored[keys] = _Stored(plan.kernel_name, plan.contracted, stack,
                            jnp.dtype(kernel.dtype), plan.source_perm)
   new_params = set_many(params, values)

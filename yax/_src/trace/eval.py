@@ -22,7 +22,7 @@ from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
 from yax._src.ir.nodes import Equation, Expr, Literal, Mox, Symbol
 from yax._src.ir.text import safe_getattr, safe_repr
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 
 
 # ---------------------------------------------------------- interpreter
@@ -228,7 +228,7 @@ def check_arguments(mox: Mox, args, kwargs) -> list:
   reach the tree. Raises ``SignatureError`` naming the first argument path
   that differs (missing, unexpected, or expected vs given type).
   """
-  leaves, tree = _nnx.flatten_arguments(args, kwargs)  # NNX nodes split
+  leaves, tree = _systems.flatten_arguments(args, kwargs)  # NNX nodes split
   paths = None
   if mox.in_tree is not None and tree != mox.in_tree:
     # The arguments as the trace saw them (NNX nodes split), for key paths.
@@ -435,4 +435,4 @@ def eval_mox(mox: Mox, /, *args, **kwargs):
   if mox.out_tree is None:
     return outs
   result = jax.tree_util.tree_unflatten(mox.out_tree, outs)
-  return _nnx.apply_updates(result, args, kwargs)  # NNX state updates
+  return _systems.apply_updates(result, args, kwargs)  # NNX state updates

@@ -39,9 +39,10 @@ from yax._src.ir import rules as _rules
 from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var
 from yax._src.ir.variables import is_variable_treedef
 from yax._src.trace import calls as _calls
-from yax._src.trace import equinox as _eqx
 from yax._src.trace import markers as _markers
 from yax._src.trace import nnx as _nnx
+from yax._src.trace import nnx_variables as _nnx_variables
+from yax._src.trace import systems as _systems
 from yax._src.trace.calls import CallRecord, is_traced_value, marked_call
 
 tree_flatten = jax.tree_util.tree_flatten
@@ -183,14 +184,12 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
 
   @functools.wraps(fn)
   def trace(*args, **kwargs) -> Mox:
-    # NNX graph nodes among the arguments are split as nnx.split does.
-    nnx_scope = _nnx.TraceScope(args, kwargs)
-    leaves, in_tree = nnx_scope.leaves, nnx_scope.in_tree
-    # Equinox modules: their leaves that are not arrays are static.
-    static = set() if nnx_scope.has_nodes else _eqx.static_leaves(
-        (args, kwargs))
+    # NNX graph nodes among the arguments are split as nnx.split does; an
+    # Equinox module's leaves that are not arrays are static.
+    scope = _systems.TraceScope(args, kwargs)
+    leaves, in_tree = scope.leaves, scope.in_tree
     dyn = [i for i, x in enumerate(leaves)
-           if is_dynamic_arg(x) and i not in static]
+           if is_dynamic_arg(x) and i not in scope.static]
     out_info = {}
 
     this = _calls.Trace()
@@ -202,9 +201,8 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
       for i, v in zip(dyn, dyn_vals, strict=True):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
-      with nn.intercept_methods(functools.partial(_interceptor, this)), \
-          nnx_scope, _eqx.tracing(a, k):
-        out = _calls.call_with_stack_room(nnx_scope.call, (fn, a, k), {})
+      with scope.active(functools.partial(_interceptor, this), a, k):
+        out = _calls.call_with_stack_room(scope.call, (fn, a, k), {})
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]
       out_info.update(tree=out_tree, leaves=out_leaves, dyn=out_dyn)
@@ -522,7 +520,7 @@ class _Builder:
     reads = {s for child in frame.children for s in child.inputs}
     reads.update(outs)
     if is_variable_treedef(rec.var_tree):
-      return _nnx.read_only(rec.var_tree, frame.var_inputs, reads)
+      return _nnx_variables.read_only(rec.var_tree, frame.var_inputs, reads)
     if all(sym in reads for sym in frame.var_inputs):
       return list(frame.var_inputs), rec.var_tree
     kept = _read_part(tree_unflatten(rec.var_tree, frame.var_inputs), reads)

@@ -48,7 +48,7 @@ from yax._src.errors import YaxError
 from yax._src.ir.nodes import (Equation, Expr, Literal, Mox, Symbol,
                                register_view)
 from yax._src.ir.text import escape_text, format_value, safe_repr, truncate
-from yax._src.trace import nnx as _nnx
+from yax._src.trace import systems as _systems
 
 __all__ = ['dump_xml', 'dump_yson', 'to_dict', 'to_json', 'xml_view']
 
@@ -271,7 +271,7 @@ def _node_markup(node: Expr) -> tuple[str, str, list[str]]:
       tag, attrs = 'module_call', _mox_attrs(node)
       var_paths = [f' var="{_escape(p)}"' if p else ''
                    for p in _var_paths(node)]
-      kinds = _nnx.var_kinds(node)  # NNX: Param, BatchStat, RngCount ...
+      kinds = _systems.variable_kinds(node)  # Param, BatchStat, RngCount ...
       if kinds:
         var_paths = [f'{v} vartype="{_escape(k)}"' if k else v
                      for v, k in zip(var_paths, kinds, strict=True)]

@@ -1,0 +1,204 @@
+"""What tools, views and reports ask of a module system (Linen, NNX, Equinox).
+
+Each module system has its frontend in ``yax/_src/trace/``: Linen's calls
+are marked in ``make.py`` (``flax.linen.intercept_methods``), NNX's in
+``nnx.py``, Equinox's in ``equinox.py``. Code outside ``trace/`` never
+imports them (``tests/test_layering.py`` checks it): it asks the functions
+here, which answer for every system.
+
+The questions, by concern:
+
+* **Variables.** How a variable is boxed where the model holds it (a Linen
+  collection holds plain arrays or ``nn.Partitioned`` boxes, an NNX state
+  typed Variables, an Equinox module plain arrays), which kinds are
+  parameters, and how a call's variables are grouped for the summary.
+* **Arguments and replay.** How the traced arguments flatten (NNX modules
+  split as ``nnx.split`` does), how state updates flow back into the
+  given modules after ``eval_mox``, and how a model returned by a
+  command-line factory becomes an argument.
+* **Tracing.** The scope of one ``make_mox`` trace: every frontend's
+  interception active around the traced function.
+
+A variable's place in the tree (``ir/variables.py``) has two encodings:
+Linen collections (``params``, ``batch_stats`` ...) and the typed
+:data:`~yax._src.ir.variables.NNX_GROUP` one, which NNX and Equinox share
+(an Equinox array field is a ``Param`` when inexact).
+
+Example::
+
+    box = systems.new_variable_boxer(arguments)
+    value = box(NNX_GROUP, 'LoRAParam', array)  # an nnx.LoRAParam in an
+                                                # NNX state, the array in an
+                                                # Equinox model
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from yax._src.ir.variables import NNX_GROUP
+from yax._src.trace import equinox as _eqx
+from yax._src.trace import nnx as _nnx
+from yax._src.trace import nnx_arguments as _nnx_arguments
+from yax._src.trace import nnx_variables as _nnx_variables
+
+# ------------------------------------------------------------ variables
+
+
+def is_param(group: str, kind: str) -> bool:
+  """Whether a variable of ``group`` (a Linen collection or ``NNX_GROUP``)
+  and ``kind`` (for ``NNX_GROUP``: a Variable type name) is a parameter.
+
+  Example: ``is_param('params', 'params')``, ``is_param(NNX_GROUP,
+  'LoRAParam')`` are True; ``is_param(NNX_GROUP, 'BatchStat')`` is False.
+  """
+  if group == NNX_GROUP:
+    return _nnx_variables.is_param_kind(kind)
+  return group == 'params'
+
+
+def typed_variable(kind: str, value) -> Any:
+  """``value`` (an array or a placeholder) held as a variable of type
+  ``kind`` of the typed encoding (an ``nnx.Variable`` subclass by name;
+  ``Param`` for a name NNX does not define).
+
+  Example: ``typed_variable('LoRAParam', jnp.zeros((4, 2)))``.
+  """
+  return _nnx_variables.variable_holding(kind, value)
+
+
+def typed_variable_like(kind: str, value, like, **changes) -> Any:
+  """``value`` held as a variable of type ``kind`` with the metadata of the
+  variable ``like`` (its sharding names, ...) updated by ``changes``.
+
+  Example: ``typed_variable_like('LoRAParam', a, kernel,
+  sharding_names=('embed', None))``.
+  """
+  return _nnx_variables.variable_like(kind, value, like, **changes)
+
+
+def sharding_names(var) -> tuple[str, tuple] | None:
+  """``(metadata key, axis names)`` of a typed variable annotated with axis
+  names (``nnx.with_partitioning``), else None."""
+  return _nnx_variables.sharding_names(var)
+
+
+def new_variable_boxer(arguments) -> Callable[[str, str, Any], Any]:
+  """How a new variable is held in ``arguments`` (the traced arguments,
+  unflattened): a function ``(group, kind, value) -> leaf``.
+
+  A typed (``NNX_GROUP``) variable is an NNX Variable of its kind in an NNX
+  state and a plain array in an Equinox model; a Linen variable is the
+  value itself.
+
+  Example: ``new_variable_boxer((args, kwargs))(NNX_GROUP, 'Param', x)``.
+  """
+  typed = not _eqx.holds_modules(arguments)
+
+  def box(group: str, kind: str, value):
+    if group == NNX_GROUP and typed:
+      return _nnx_variables.variable_holding(kind, value)
+    return value
+  return box
+
+
+def variable_kinds(node) -> list[str] | None:
+  """The kind of each of a module call's variable inputs (``Param``,
+  ``BatchStat``, ``RngCount`` ...) when they are typed (NNX, Equinox),
+  else None (Linen: the collection names the kind)."""
+  return _nnx_variables.var_kinds(node)
+
+
+def typed_variable_groups(node) -> dict | None:
+  """A module call's typed variable inputs grouped as the summary shows
+  them (``params``, ``batch_stats``, other kinds by name); None when its
+  variables are in Linen collections."""
+  if _nnx_variables.var_kinds(node) is None:
+    return None
+  return _nnx_variables.variable_groups(node)
+
+
+def typed_own_variables(node) -> dict | None:
+  """``{group: {path: symbol}}`` of a module call's own typed variables
+  (not its submodules'), paths as ``nnx.state`` shows them; None when its
+  variables are in Linen collections."""
+  if _nnx_variables.var_kinds(node) is None:
+    return None
+  return _nnx_variables.own_variables(node)
+
+
+def param_leaves(arguments) -> set:
+  """The leaves of ``arguments`` (unflattened, each leaf its index) that
+  sit in a typed parameter (an ``nnx.Param`` or a subclass)."""
+  return _nnx_variables.param_leaves(arguments)
+
+
+def holds_module_argument(mox) -> bool:
+  """Whether the tree was traced with an NNX module itself (not its state)
+  among the arguments: the module form, whose variables rewrites cannot
+  add to."""
+  return _nnx_arguments.holds_graph_argument(mox)
+
+
+# ------------------------------------------------ arguments and replay
+
+
+def flatten_arguments(args, kwargs) -> tuple[list, Any]:
+  """``(leaves, treedef)`` of ``(args, kwargs)`` as a trace flattens them
+  (NNX modules split as ``nnx.split`` does)."""
+  return _nnx_arguments.flatten_arguments(args, kwargs)
+
+
+def apply_updates(result, args, kwargs):
+  """The traced function's output from what a replay returned, with the
+  state updates it carries written into the given NNX modules."""
+  return _nnx_arguments.apply_updates(result, args, kwargs)
+
+
+def module_as_argument(fn, args) -> tuple[Callable, Any]:
+  """``(fn, args)`` of a command-line factory, with a model given as ``fn``
+  (an NNX module) turned into the first argument of a function that calls
+  it, so that its state is traced as inputs."""
+  return _nnx_arguments.module_as_argument(fn, args)
+
+
+# ------------------------------------------------------------- tracing
+
+
+class TraceScope:
+  """Every frontend's side of one ``make_mox`` trace.
+
+  ``leaves``/``in_tree`` flatten the arguments (NNX modules split),
+  ``static`` holds the indices of leaves that stay static (an Equinox
+  module's non-array fields). Enter :meth:`active` around the traced call
+  and call the function with :meth:`call`.
+
+  Example::
+
+      scope = TraceScope(args, kwargs)
+      with scope.active(interceptor, a, k):
+        out = scope.call(fn, a, k)
+  """
+
+  def __init__(self, args, kwargs):
+    self._nnx = _nnx.TraceScope(args, kwargs)
+    self.leaves, self.in_tree = self._nnx.leaves, self._nnx.in_tree
+    self.static = set() if self._nnx.has_nodes else _eqx.static_leaves(
+        (args, kwargs))
+
+  @contextlib.contextmanager
+  def active(self, linen_interceptor, args, kwargs):
+    """Linen methods intercepted by ``linen_interceptor``, NNX and Equinox
+    methods wrapped (the modules in ``(args, kwargs)`` indexed at their
+    paths) while the block runs."""
+    with nn.intercept_methods(linen_interceptor), self._nnx, \
+        _eqx.tracing(args, kwargs):
+      yield
+
+  def call(self, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` on the traced arguments (NNX modules merged
+    from their traced state; state updates returned with the output)."""
+    return self._nnx.call(fn, args, kwargs)
