@@ -164,8 +164,11 @@ def plans(mox, labels, choices) -> dict:
     t0 = time.perf_counter()
     try:
       plan = yax.fit_memory(mox, loss, budget=budget, choices=choices)
-    except yax.SubstitutionError as e:  # a budget below the least reachable
-      out[f'plan {budget}'] = 'refused: ' + str(e).split(' reach: ')[-1]
+    except yax.SubstitutionError as e:
+      text = str(e)
+      out[f'plan {budget}'] = (  # a budget below the least reachable
+          'refused: ' + text.split(' reach: ')[-1] if ' reach: ' in text
+          else f'fails: {text[:200]}')
       continue
     print(f'plan {budget} ({time.perf_counter() - t0:.0f} s to plan):\n'
           f'{plan}', flush=True)

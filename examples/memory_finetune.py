@@ -1,21 +1,25 @@
 """Memory-lean fine-tuning on scikit-learn's digits: few-bit activation
-gradients and randomized linear layers on a traced Flax model.
+gradients, randomized linear layers and lean norms on a traced Flax model.
 
 The data ships with scikit-learn (``sklearn.datasets.load_digits``: 1,797
 8x8 images, no download). The script
 
-1. pretrains a small Linen GELU MLP on the digits 0-4 (plain Flax);
+1. pretrains a small Linen MLP (blocks of Dense, LayerNorm, GELU) on the
+   digits 0-4 (plain Flax);
 2. traces it once with ``yax.make_mox(model.apply)(variables, x)``;
-3. fine-tunes every weight on all ten digits from the same start, four
+3. fine-tunes every weight on all ten digits from the same start, six
    ways: the exact tree; ``yax.fewbit(mox, bits=3)`` (each GELU keeps a
    3-bit code of its input for the backward pass); ``yax.randomized_linear``
-   on every ``Dense`` (each keeps a sketch of 20% of its input rows); and
-   both;
+   on every ``Dense`` (each keeps a sketch of 20% of its input rows); both;
+   ``yax.lean_norm(mox, activations=True)`` (each LayerNorm keeps its
+   input and row statistics, each GELU its input: exact gradients); and
+   all three;
 4. prints a table of final test accuracy and training memory, counted as
    PyTorch's peak counts it in the fewbit paper: 4 x param bytes (params,
    grads, two Adam moments) plus the bytes JAX keeps for the backward pass
-   (``jax.ad_checkpoint.print_saved_residuals``, arguments excluded); and
-   draws the four loss curves in one PNG.
+   (``yax.memory_report``: JAX's saved residuals, arguments excluded,
+   attributed to the module call computing each); and draws one PNG: the
+   loss curves and, per block, the bytes each variant keeps.
 
 Run::
 
@@ -29,14 +33,9 @@ It needs ``optax``, ``scikit-learn`` and ``matplotlib``
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import math
-import re
 
 import flax.linen as nn
 import jax
-import jax.ad_checkpoint
 import numpy as np
 import optax
 from sklearn.datasets import load_digits
@@ -44,15 +43,25 @@ from sklearn.datasets import load_digits
 import yax
 
 
+class Block(nn.Module):
+  """Dense, LayerNorm, GELU (exact, as BERT's)."""
+  hidden: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.gelu(nn.LayerNorm()(nn.Dense(self.hidden)(x)),
+                   approximate=False)
+
+
 class MLP(nn.Module):
-  """64 pixels -> 10 logits, GELU activations (exact, as BERT's)."""
+  """64 pixels -> 10 logits through three blocks."""
   hidden: int = 512
 
   @nn.compact
   def __call__(self, x):
-    for _ in range(3):
-      x = nn.gelu(nn.Dense(self.hidden)(x), approximate=False)
-    return nn.Dense(10)(x)
+    for i in range(3):
+      x = Block(self.hidden, name=f'block{i}')(x)
+    return nn.Dense(10, name='head')(x)
 
 
 def data(seed=0):
@@ -97,24 +106,15 @@ def train(forward, params, x, y, *, steps, batch, lr, seed, keyed=False):
   return params, losses
 
 
-_DTYPE_BYTES = {'f32': 4, 'f16': 2, 'bf16': 2, 'f64': 8, 'u8': 1, 's8': 1,
-                'i8': 1, 's32': 4, 'i32': 4, 'u32': 4, 'bool': 1, 'key': 8}
-
-
-def residual_bytes(fn, *args) -> int:
-  """Bytes JAX keeps for the backward pass of ``fn`` (arguments excluded),
-  read from ``jax.ad_checkpoint.print_saved_residuals``."""
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
-  total = 0
-  for line in buf.getvalue().splitlines():
-    if not line or ' from the argument ' in line:
-      continue
-    m = re.match(r"(\w+)(?:<\w+>)?\[([\d,]*)\]", line)
-    shape = [int(d) for d in m.group(2).split(',') if d]
-    total += _DTYPE_BYTES[m.group(1)] * math.prod(shape)
-  return total
+def kept_per_block(report) -> dict[str, int]:
+  """Bytes kept for the backward pass per top-level module (a block, the
+  head), from a ``yax.memory_report``; ``(outside)``: the loss's own."""
+  kept: dict[str, int] = {}
+  for row in report.rows:
+    top = row.path.split('/')[0]
+    kept[top] = kept.get(top, 0) + row.bytes
+  kept['(outside)'] = report.unattributed
+  return kept
 
 
 def param_bytes(params) -> int:
@@ -122,7 +122,7 @@ def param_bytes(params) -> int:
 
 
 def accuracy(forward, params, x, y) -> float:
-  return float((forward(params, x).argmax(-1) == y).mean())
+  return float((jax.jit(forward)(params, x).argmax(-1) == y).mean())
 
 
 def main():
@@ -149,24 +149,33 @@ def main():
   fewbit = yax.fewbit(mox, bits=3)
   randomized = yax.randomized_linear(mox, dense, ratio=0.2)
   both = yax.randomized_linear(fewbit, dense, ratio=0.2)
+  lean = yax.lean_norm(mox, activations=True)
+  # fewbit first: its GELUs stay FewBit, lean_norm takes the norms.
+  every = yax.lean_norm(both, activations=True)
   names = yax.query('//module_call[@type="FewBit"]/@name', fewbit)
   print(f'fewbit: {len(names)} sites, 3 bits each: {names}')
 
   variants = [('exact', mox, False), ('fewbit 3-bit', fewbit, False),
               ('randomized 20%', randomized, True),
-              ('fewbit + randomized', both, True)]
+              ('fewbit + randomized', both, True),
+              ('lean norm + GELU', lean, False),
+              ('all three', every, True)]
   xb, yb = xtr[:batch], ytr[:batch]
   key = jax.random.PRNGKey(7)
-  rows, curves = [], {}
+  rows, curves, kept = [], {}, {}
   for name, tree, keyed in variants:
     def forward(p, x, tree=tree, **extra):
       return yax.eval_mox(tree, p, x, **extra)
     extra = {'sketch_key': key} if keyed else {}
-    out = forward(variables, xb, **extra)
-    assert np.array_equal(out, model.apply(variables, xb)), name
-    saved = residual_bytes(lambda p: xent(forward(p, xb, **extra), yb),
-                           variables)
-    peak = 4 * param_bytes(variables) + saved
+    out = jax.jit(forward)(variables, xb, **extra)
+    # fewbit and randomized_linear keep the forward pass bit for bit; the
+    # lean norm computes the same norm, rounded differently.
+    np.testing.assert_allclose(out, model.apply(variables, xb), rtol=1e-4,
+                               atol=1e-4, err_msg=name)
+    report = yax.memory_report(lambda p: xent(forward(p, xb, **extra), yb),
+                               variables, xla=False)
+    saved, peak = report.total, report.training
+    kept[name] = kept_per_block(report)
     params, losses = train(forward, variables, xtr, ytr, steps=steps,
                            batch=batch, lr=1e-3, seed=2, keyed=keyed)
     curves[name] = losses
@@ -183,11 +192,14 @@ def main():
   gap = 100 * (rows[0][1] - rows[1][1])
   print(f'\nfewbit 3-bit accuracy within 1 point of exact: {gap <= 1.0} '
         f'({gap:+.2f} points)')
+  gap = 100 * (rows[0][1] - rows[4][1])
+  print(f'lean norm + GELU accuracy within 1 point of exact: {gap <= 1.0} '
+        f'({gap:+.2f} points)')
 
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
   for name, losses in curves.items():
     smooth = np.convolve(losses, np.ones(10) / 10, mode='valid')
     ax.plot(smooth, label=name)
@@ -196,9 +208,20 @@ def main():
   ax.set_yscale('log')
   ax.set_title('Fine-tuning a GELU MLP on digits 0-9')
   ax.legend()
+  # The memory report as a picture: bytes each block keeps, per variant.
+  blocks = [b for b in kept['exact']
+            if any(per.get(b, 0) for per in kept.values())]
+  width = 0.8 / len(kept)
+  for i, (name, per) in enumerate(kept.items()):
+    bars.bar(np.arange(len(blocks)) + i * width,
+             [per.get(b, 0) / 2**10 for b in blocks], width, label=name)
+  bars.set_xticks(np.arange(len(blocks)) + 0.4 - width / 2, blocks)
+  bars.set_ylabel('KiB kept for the backward pass')
+  bars.set_title(f'yax.memory_report per module, batch {batch}')
+  bars.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(args.out, dpi=100)
-  print(f'loss curves saved to {args.out}')
+  print(f'loss curves and memory per block saved to {args.out}')
 
 
 if __name__ == '__main__':

@@ -152,7 +152,7 @@ def test_memory_finetune_small(tmp_path):
   find(r"fewbit: 3 sites, 3 bits each: \['gelu', 'gelu', 'gelu'\]", out)
   rows = {}
   for name in ('exact', 'fewbit 3-bit', 'randomized 20%',
-               'fewbit \\+ randomized'):
+               'fewbit \\+ randomized', 'lean norm \\+ GELU', 'all three'):
     m = find(rf'{name}\s+([\d.]+)\s+([\d.]+)Ki\s+([\d.]+)Ki\s+([\d.]+)', out)
     rows[name.replace('\\', '')] = [float(g) for g in m.groups()]
   exact, few = rows['exact'], rows['fewbit 3-bit']
@@ -163,7 +163,12 @@ def test_memory_finetune_small(tmp_path):
   assert rows['fewbit + randomized'][1] < min(few[1],
                                               rows['randomized 20%'][1])
   find(r'fewbit 3-bit accuracy within 1 point of exact: True', out)
-  assert f'loss curves saved to {png}' in out
+  # Lean norms and activations: exact gradients, less kept.
+  lean, every = rows['lean norm + GELU'], rows['all three']
+  assert lean[0] >= exact[0] - 0.01 and lean[1] < exact[1]
+  assert every[1] < rows['fewbit + randomized'][1]
+  find(r'lean norm \+ GELU accuracy within 1 point of exact: True', out)
+  assert f'loss curves and memory per block saved to {png}' in out
   assert png.read_bytes().startswith(PNG_MAGIC)
 
 

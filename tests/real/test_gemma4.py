@@ -297,6 +297,15 @@ def test_moe_lora_of_the_einsums(moe):
 
 def test_moe_quantize(moe):
   check_quantize(moe.mox, moe.variables, ADAPTED, moe.call, moe.args)
+  # The experts are variables of _Weight submodules that return them; the
+  # MoERagged call contracts them. Refused with that reason (before: "no
+  # parameter of 2 or more axes that reaches a dot_general").
+  with pytest.raises(yax.SubstitutionError) as refused:
+    yax.quantize(moe.mox, moe.variables,
+                 '//module_call[@type="MoERagged"][@path="layer_0/mlp"]')
+  assert ('the kernels it contracts (params/gating_einsum/w, '
+          'params/linear/w) are variables of its submodules'
+          in str(refused.value)), str(refused.value)
 
 
 # ======================================================== vision encoder

@@ -309,6 +309,53 @@ def test_nnx_two_relus_to_prelu():
   np.testing.assert_allclose(yax.eval_mox(new, full, X), want, **TOL)
 
 
+class NNXActivations(nnx.Module):
+  """No variables at all: ``nnx.split`` gives an empty state."""
+
+  def __init__(self, with_prelu=False):
+    if with_prelu:
+      self.NNXPReLU_0 = NNXPReLU(4, nnx.Rngs(0))
+      self.NNXPReLU_1 = NNXPReLU(4, nnx.Rngs(0))
+    self.with_prelu = with_prelu
+
+  def __call__(self, x):
+    if self.with_prelu:
+      return self.NNXPReLU_0(x) * 2.0 - self.NNXPReLU_1(-x)
+    return nnx.relu(x) * 2.0 - nnx.relu(-x)
+
+
+def test_a_parameter_free_nnx_model_gets_nnx_params_at_its_module_paths():
+  # Before: the module merged from the empty state was called at
+  # '<closure>/NNXActivations'; an NNX PReLU was refused ("no 'nnx'
+  # collection") and a Linen one put a raw array at
+  # state['params']['<closure>']['NNXActivations']['PReLU_0']['alpha'].
+  graphdef, state = nnx.split(NNXActivations())
+  assert not jax.tree.leaves(state)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, X)
+  prelu = NNXPReLU(4, nnx.Rngs(0))
+  repl = yax.make_mox(lambda m, h: m(h))(prelu, jnp.zeros((2, 4)))
+  new = yax.sub('//*[@name="relu"]', repl, mox)
+  yax.check_mox(new)
+  full = yax.init_params(new, state, key=jax.random.key(1))
+  # The state of the same model written by hand with two PReLU modules.
+  ref_graph, ref_state = nnx.split(NNXActivations(with_prelu=True))
+  assert isinstance(full, nnx.State)
+  assert sorted(full) == sorted(ref_state) == ['NNXPReLU_0', 'NNXPReLU_1']
+  for name in ('NNXPReLU_0', 'NNXPReLU_1'):
+    assert type(full[name]['alpha']) is type(ref_state[name]['alpha'])
+  full['NNXPReLU_0']['alpha'].value = jnp.full((4,), 0.1)
+  full['NNXPReLU_1']['alpha'].value = jnp.linspace(-1.0, 1.0, 4)
+  ref_state['NNXPReLU_0']['alpha'].value = jnp.full((4,), 0.1)
+  ref_state['NNXPReLU_1']['alpha'].value = jnp.linspace(-1.0, 1.0, 4)
+  np.testing.assert_allclose(yax.eval_mox(new, full, X),
+                             nnx.merge(ref_graph, ref_state)(X), **TOL)
+  # A Linen PReLU has no place in an nnx.State: refused, tree untouched.
+  with pytest.raises(yax.SubstitutionError,
+                     match=r"no 'params' collection.*NNX Variables only"):
+    yax.sub('//*[@name="relu"]', prelu_mox(4), mox)
+
+
 class _ShardedNNX(nnx.Module):
   """Two Linear layers whose kernels carry axis names."""
 

@@ -195,3 +195,23 @@ def test_refuses_a_budget_that_is_no_bytes_or_fraction(mox, budget):
 def test_refuses_unknown_choices(mox):
   with pytest.raises(yax.SubstitutionError, match='offload'):
     yax.fit_memory(mox, out_loss, budget=0.5, choices=('offload',))
+  with pytest.raises(yax.SubstitutionError, match=r'bits \[5\]'):
+    yax.fit_memory(mox, out_loss, budget=0.5, bits=(5,))
+  with pytest.raises(yax.SubstitutionError, match='ratio 1.5'):
+    yax.fit_memory(mox, out_loss, budget=0.5, ratio=1.5)
+  with pytest.raises(yax.SubstitutionError, match='unknown policy'):
+    yax.fit_memory(mox, out_loss, budget=0.5, policies=('no_such',))
+
+
+def test_several_sketched_calls_share_one_key(mox):
+  # Sketching each down projection saves about 1 KB here: a budget that
+  # needs more than one sketched call (each randomized_linear adds the
+  # sketch_key argument, so they are made in one rewrite).
+  plan = yax.fit_memory(mox, out_loss, budget=BASELINE - 1500,
+                        choices=('randomized',))
+  check_rewrite(plan.mox)
+  assert len(plan.table) >= 2 and plan.takes_sketch_key
+  key = jax.random.key(0)
+  assert training_memory(
+      lambda p: out_loss(yax.eval_mox(plan.mox, p, X, sketch_key=key)),
+      VARS) == plan.memory <= plan.budget

@@ -171,3 +171,50 @@ def test_init_params_keeps_the_scale_record_under_in_place_lora():
   np.testing.assert_allclose(yax.eval_mox(res.mox, full, x, sizes),
                              jax.lax.ragged_dot(x, jnp.asarray(deq), sizes),
                              **TOL)
+
+
+class Weight(nn.Module):
+  """Returns its weight (gemma 4's ``_Weight``): its caller contracts it."""
+  shape: tuple
+
+  @nn.compact
+  def __call__(self):
+    return self.param('w', nn.initializers.normal(1.0), self.shape)
+
+
+class WeightExperts(nn.Module):
+  """As gemma 4's MoERagged: experts held by submodules, contracted here."""
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    return jax.lax.ragged_dot(x, Weight((3, 5, 4), name='linear')(), sizes)
+
+
+class MoEAndHead(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    return nn.Dense(4, name='head')(WeightExperts(name='moe')(x, sizes))
+
+
+def test_kernels_of_submodules_contracted_by_the_parent_are_refused_by_name():
+  # Before: "it has no parameter of 2 or more axes that reaches a
+  # dot_general" for the parent, whose ragged_dot reads the experts.
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  sizes = jnp.array([2, 3, 1], jnp.int32)
+  model = MoEAndHead()
+  variables = model.init(jax.random.key(1), x, sizes)
+  mox = yax.make_mox(model.apply)(variables, x, sizes)
+  for tool in (yax.lora, yax.quantize):
+    for select, why in (
+        ('WeightExperts', 'the kernels it contracts (params/linear/w) are '
+         'variables of its submodules'),
+        ('Weight', 'it returns its kernel (the module that calls it '
+         'contracts it')):
+      with pytest.raises(yax.SubstitutionError) as info:
+        tool(mox, variables,
+             f'//module_call[@type="{select}" or @type="Dense"]')
+      message = str(info.value)
+      assert f'{select} at path' in message and why in message, message
+      assert [n.path for n in yax.query(message.splitlines()[-1].strip(),
+                                        mox)] == [('head',)]

@@ -526,3 +526,72 @@ def test_refusals_give_the_figures_and_the_xpath_of_the_others():
   np.testing.assert_allclose(g['small']['kernel'], ref['small']['kernel'],
                              rtol=1e-6)
   assert not np.allclose(g['big']['kernel'], ref['big']['kernel'])
+
+
+class TwoKernelMLP(nn.Module):
+  """Two kernels contracted in one call, an activation between them (lora
+  adapts each in place)."""
+
+  @nn.compact
+  def __call__(self, x):
+    w1 = self.param('w1', nn.initializers.lecun_normal(), (x.shape[-1], 6))
+    w2 = self.param('w2', nn.initializers.lecun_normal(), (6, 3))
+    return jnp.tanh(x @ w1) @ w2
+
+
+class Experts(nn.Module):
+  """A MoE's experts, [experts, in, out], contracted by ragged_dot."""
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    w = self.param('experts', nn.initializers.normal(1.0), (3, 4, 3))
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+class MLPAndExperts(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, sizes):
+    return TwoKernelMLP(name='mlp')(x) + Experts(name='moe')(x, sizes)
+
+
+def test_several_kernels_in_one_call_and_ragged_dot_experts():
+  # Before: the MLP was refused ("it contracts several kernels"), and the
+  # experts with the kernel plan's reason, without the XPath of the others.
+  x = jax.random.normal(jax.random.key(2), (12, 4))
+  sizes = jnp.array([5, 4, 3], jnp.int32)
+  model = MLPAndExperts()
+  v = model.init(jax.random.key(0), x, sizes)
+  mox = yax.make_mox(model.apply)(v, x, sizes)
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.randomized_linear(mox, '//module_call[@type="TwoKernelMLP" or '
+                          '@type="Experts"]')
+  text = str(err.value)
+  assert "Experts at path 'moe'" in text and "'mlp'" not in text
+  assert 'params/experts is contracted by ragged_dot' in text
+  fixed = text.splitlines()[-1].strip()
+  assert yax.query(fixed, mox)[0].path == ('mlp',)
+  new = check_rewrite(yax.randomized_linear(mox, fixed, ratio=0.5))
+
+  def by_hand(p, x):  # the same model in plain JAX
+    mlp, moe = p['params']['mlp'], p['params']['moe']
+    return (jnp.tanh(x @ mlp['w1']) @ mlp['w2'] +
+            jax.lax.ragged_dot(x, moe['experts'], sizes))
+
+  f = lambda p, x, k: jnp.sum(jnp.sin(yax.eval_mox(new, p, x, sizes,
+                                                   sketch_key=k)))
+  ref = lambda p, x: jnp.sum(jnp.sin(by_hand(p, x)))
+  np.testing.assert_allclose(yax.eval_mox(new, v, x, sizes, sketch_key=KEY),
+                             by_hand(v, x), rtol=1e-6, atol=1e-6)
+  assert_trees_close(jax.grad(f, 1)(v, x, KEY), jax.grad(ref, 1)(v, x),
+                     rtol=1e-5, atol=1e-6)
+  exact = jax.grad(ref)(v, x)['params']
+  n = 400
+  keys = jax.random.split(jax.random.PRNGKey(3), n)
+  # lax.map, not vmap: JAX batches ragged_dot over axis 0 only.
+  sampled = jax.jit(lambda ks: jax.lax.map(
+      lambda k: jax.grad(f)(v, x, k)['params'], ks))(keys)
+  for name in ('w1', 'w2'):  # both kernels sketched: unbiased, not exact
+    assert_unbiased(sampled['mlp'][name], exact['mlp'][name], n)
+  np.testing.assert_allclose(sampled['moe']['experts'][0],
+                             exact['moe']['experts'], rtol=1e-5, atol=1e-6)

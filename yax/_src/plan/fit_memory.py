@@ -49,15 +49,15 @@ import jax
 from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Mox, iter_nodes
 from yax._src.report.memory import MemoryReport, step_memory
-from yax._src.tools.fewbit import fewbit
+from yax._src.tools.fewbit import BITS, fewbit
 from yax._src.tools.lean_norm import lean_norm
 from yax._src.tools.randomized import KEY_NAME, randomized_linear
-from yax._src.tools.remat import remat
+from yax._src.tools.remat import remat, resolve_policy
 from yax._src.trace.eval import eval_mox
 
 CHOICES = ('lean_norm', 'remat', 'fewbit', 'randomized')
 # The measurements of the last tree planned: [tree, loss, (choices, bits,
-# ratios, policies), (baseline report, baseline FLOPs, options)], matched
+# ratio, policies), (baseline report, baseline FLOPs, options)], matched
 # by the identity of the tree and the loss (a tree is never changed in
 # place), so that planning one tree at several budgets measures it once.
 _MEASURED: list = []
@@ -132,8 +132,7 @@ class MemoryPlan:
             f'MemoryPlan.apply: the plan chose {kind} for the module call at '
             f'{"/".join(path) or "the root path"}, which this tree does not '
             'have')
-      mox = _apply(mox, kind, arg, [path])
-    return mox
+    return _apply_steps(mox, self.steps)
 
   def __str__(self) -> str:
     width = max([len(r.path) for r in self.table] + [12])
@@ -177,12 +176,12 @@ class _Option:
   @property
   def rank(self) -> float:
     """Gradient error, in order: exact choices, fewbit (more bits first),
-    the stochastic sketch (larger ratios first)."""
+    the stochastic sketch."""
     if self.kind in EXACT:
       return 0.0
     if self.kind == 'fewbit':
       return 1 + (8 - self.arg) / 8
-    return 2 + (1 - self.arg)
+    return 2.0
 
 
 def _path_text(path: tuple, type_name: str) -> str:
@@ -203,6 +202,20 @@ def _apply(tree: Mox, kind: str, arg, paths) -> Mox:
   if kind == 'fewbit':
     return fewbit(tree, nodes, bits=arg)
   return randomized_linear(tree, nodes, ratio=arg)
+
+
+def _apply_steps(tree: Mox, steps) -> Mox:
+  """``(path, kind, arg)`` steps in order; the sketched calls in one
+  ``randomized_linear`` (the tree takes one ``sketch_key``), in place of
+  the first."""
+  sketched = [p for p, kind, _ in steps if kind == 'randomized']
+  done = False
+  for path, kind, arg in steps:
+    if kind != 'randomized':
+      tree = _apply(tree, kind, arg, [path])
+    elif not done:
+      tree, done = _apply(tree, kind, arg, sketched), True
+  return tree
 
 
 def _inside(p: tuple, q: tuple) -> bool:
@@ -231,7 +244,7 @@ def _check_budget(budget) -> tuple[int | None, float | None]:
 def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
                choices: Sequence[str] = CHOICES,
                bits: Sequence[int] = (4, 2),
-               ratios: Sequence[float] = (0.5,),
+               ratio: float = 0.5,
                policies: Sequence = (None, 'dots_saveable')) -> MemoryPlan:
   """Rewrites module calls so that a training step fits a memory budget at
   the least added compute.
@@ -251,9 +264,10 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     'remat')`` keeps gradients exact. Host offload is not offered (CPU has
     no host memory space to offload to, and the report counts an
     offloaded residual as kept).
-  - ``bits``: the fewbit widths tried; ``ratios``: the randomized ratios
-    tried; ``policies``: the remat policies tried (``None`` keeps only the
-    call's inputs).
+  - ``bits``: the fewbit widths tried; ``ratio``: the randomized ratio
+    (one for every sketched call: the tree takes one ``sketch_key``);
+    ``policies``: the remat policies tried (``None`` keeps only the call's
+    inputs).
 
   **Returns:** a :class:`MemoryPlan`: ``.mox`` (the rewritten tree: it
   takes ``sketch_key=`` when ``.takes_sketch_key``), ``.table`` (per
@@ -282,6 +296,16 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
         f'fit_memory: choices must be among {", ".join(CHOICES)}, found '
         f'{list(choices)!r}')
   in_bytes, fraction = _check_budget(budget)
+  # Checked here: a tool's refusal while measuring means "does not apply".
+  bad_bits = [b for b in bits if b not in BITS]
+  bad_ratio = isinstance(ratio, bool) or not isinstance(
+      ratio, numbers.Real) or not 0 < ratio <= 1
+  if bad_bits or bad_ratio:
+    raise SubstitutionError(
+        f'fit_memory: bits must be among {BITS} and the ratio in (0, 1]; '
+        f'found bits {list(bits)!r}, ratio {ratio!r}')
+  for policy in policies:
+    resolve_policy(policy)  # raises SubstitutionError naming the policies
   if args is None:
     leaves = [jax.ShapeDtypeStruct(tuple(s.aval.shape), s.aval.dtype)
               for s in mox.inputs]
@@ -303,7 +327,7 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     return step_memory(step(tree, sketched), params, rest, dict(kw),
                        flops=True)
 
-  asked = (tuple(choices), tuple(bits), tuple(ratios), tuple(policies))
+  asked = (tuple(choices), tuple(bits), ratio, tuple(policies))
   hit = args is None and _MEASURED and _MEASURED[0] is mox and \
       _MEASURED[1] is loss and _MEASURED[2] == asked
   if hit:
@@ -320,16 +344,14 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
                       base_report)
 
   if options is None:
-    options = _options(mox, types, choices, bits, ratios, policies, measure,
+    options = _options(mox, types, choices, bits, ratio, policies, measure,
                        base_report, base_flops)
     if args is None:
       _MEASURED[:] = [mox, loss, asked, (base_report, base_flops, options)]
 
   def build(chosen: dict) -> Mox:
-    tree = mox
-    for opt in _in_order(chosen):
-      tree = _apply(tree, opt.kind, opt.arg, [opt.path])
-    return tree
+    return _apply_steps(mox, [(o.path, o.kind, o.arg)
+                              for o in _in_order(chosen)])
 
   def check(chosen: dict):
     sketched = any(o.kind == 'randomized' for o in chosen.values())
@@ -384,7 +406,7 @@ def _row_path(text: str) -> tuple:
   return () if text.startswith('<') else tuple(text.split('/'))
 
 
-def _options(mox, types, choices, bits, ratios, policies, measure,
+def _options(mox, types, choices, bits, ratio, policies, measure,
              base_report, base_flops) -> list[_Option]:
   """Every applicable choice for every call path, each measured once per
   group of calls of the same type and input types."""
@@ -405,7 +427,7 @@ def _options(mox, types, choices, bits, ratios, policies, measure,
     elif kind == 'fewbit':
       tries += [('fewbit', b) for b in bits]
     elif kind == 'randomized':
-      tries += [('randomized', r) for r in ratios]
+      tries.append(('randomized', ratio))
     else:
       tries.append(('lean_norm', None))
   before = {_row_path(r.path): r.bytes for r in base_report.rows}

@@ -283,7 +283,8 @@ def _analyse(run, p_leaves, rest, *, flops: bool
                for path, avals in by_path.items())
   unattributed = sum(map(nbytes, outside))
   total = unattributed + sum(r.bytes for r in rows)
-  param_bytes = sum(nbytes(jax.typeof(x)) for x in p_leaves
+  # Arrays and ShapeDtypeStructs alike (fit_memory passes the latter).
+  param_bytes = sum(nbytes(x) for x in p_leaves
                     if hasattr(x, 'dtype'))
   report = MemoryReport(
       rows=rows, unattributed=unattributed,

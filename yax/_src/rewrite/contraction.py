@@ -311,7 +311,8 @@ def _kernel_use(flat: _Flattener, node: Mox, kernel_index: int):
       return f'its kernel is read by {name}, not only by a contraction'
   outputs = {flat.canon(s) for s in node.outputs if not isinstance(s, Literal)}
   if any(s in derived for s in outputs):
-    return 'it returns its kernel'
+    return ('it returns its kernel (the module that calls it contracts '
+            'it, in another module call than the one holding it)')
   if not uses:
     return 'its kernel reaches no dot_general or convolution'
   if len(uses) > 1:
@@ -588,6 +589,19 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
               f'rewrite: {why}')
     listed = ', '.join('/'.join(k) + ':' + s.type_str
                        for k, s in zip(keys, node.var_inputs, strict=True))
+    own = set(_own_params(node))
+    held = [i for i, e in enumerate(var_entries(node))
+            if i not in own and e.is_param
+            and node.var_inputs[i].aval is not None
+            and node.var_inputs[i].aval.ndim >= 2
+            and _contracted_here(node, i)]
+    if held:
+      names = ', '.join('/'.join(keys[i]) for i in held)
+      return (f'the kernels it contracts ({names}) are variables of its '
+              'submodules, not its own (a submodule that returns its '
+              'weight, as gemma 4 MoERagged reads its experts); a kernel '
+              'rewrite needs the module that holds a kernel to contract '
+              'it, which YAX does not rewrite across module calls')
     return ('it has no parameter of 2 or more axes that reaches a '
             'dot_general or convolution (a kernel); its variables are '
             f"[{listed or 'none'}]")
@@ -634,6 +648,24 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
             f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
             'and not others is refused')
   return plans or one
+
+
+def _contracted_here(node: Mox, index: int) -> bool:
+  """Whether a contraction in ``node``'s own body (not in a module call
+  inside it) reads its variable input ``index``."""
+  flat = _Flattener(node.path)
+  flat.node_children(node.children)
+  reached = {flat.canon(node.inputs[index])}
+  for eqn in flat.eqns:
+    if not any(not _is_literal(s) and s in reached for s in eqn.inputs):
+      continue
+    name = eqn.prim.name if eqn.prim is not None else None
+    if name in CONTRACTIONS or name == RAGGED:
+      if not eqn.nested:
+        return True
+      continue  # a submodule's contraction: its output is no kernel
+    reached.update(flat.canon(s) for s in eqn.outputs)
+  return False
 
 
 def _reaches_contraction(node: Mox, index: int) -> bool:

@@ -259,18 +259,35 @@ class _Substitution:
     argument that is an empty mapping (what ``Module.init`` gives a
     parameter-free Linen model). None when there is no such place."""
     found = self.prefix.get(collection)
-    if found is not None or collection == NNX_GROUP:
+    if found is not None:
       return found
-    for other, prefix in self.prefix.items():
-      if prefix and prefix[-1] == other:
-        return (*prefix[:-1], collection)
     if self.root.in_tree is None:
       return None
     args, _ = jtu.tree_unflatten(self.root.in_tree,
                                  range(len(self.root.inputs)))
-    if args and isinstance(args[0], collections.abc.Mapping) and not args[0]:
+    first = args[0] if args else None
+    if _systems.is_typed_state(first):
+      # An NNX state holds NNX Variables at their module paths, never a
+      # Linen collection; an empty one (a parameter-free model) gets its
+      # first Variables in it, as a hand-written module would.
+      empty = not jtu.tree_leaves(first)
+      return (0, 0) if collection == NNX_GROUP and empty else None
+    if collection == NNX_GROUP:
+      return None
+    for other, prefix in self.prefix.items():
+      if prefix and prefix[-1] == other:
+        return (*prefix[:-1], collection)
+    if isinstance(first, collections.abc.Mapping) and not first:
       return (0, 0, collection)
     return None
+
+  def _nnx_state_argument(self) -> bool:
+    """True when the first traced argument is an ``nnx.State``."""
+    if self.root.in_tree is None:
+      return False
+    args, _ = jtu.tree_unflatten(self.root.in_tree,
+                                 range(len(self.root.inputs)))
+    return bool(args) and _systems.is_typed_state(args[0])
 
   # -- the walk
 
@@ -779,10 +796,14 @@ class _Substitution:
         wiring[sym] = existing
         continue
       if self.collection_prefix(keys[0]) is None:
+        hint = ''
+        if keys[0] != NNX_GROUP and self._nnx_state_argument():
+          hint = ('; the traced nnx.State holds NNX Variables only: write '
+                  'the replacement as an NNX module')
         raise SubstitutionError(
             f"cannot substitute {_where(node, self.enclosing_path())}: the replacement needs a new "
             f"variable '{'/'.join(loc)}' but the traced arguments hold no "
-            f"'{keys[0]}' collection to put it in")
+            f"'{keys[0]}' collection to put it in{hint}")
       fresh = Var(sym.aval)
       wiring[sym] = fresh
       new_vars.append((loc, fresh))

@@ -52,7 +52,7 @@ import numpy as np
 
 from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Equation, Mox, iter_nodes
-from yax._src.rewrite.contraction import kernel_plan
+from yax._src.rewrite.contraction import RAGGED, kernel_plans
 from yax._src.rewrite.engine import (describe, leave_out_hint, non_literals,
                                      select, substitute)
 from yax._src.trace.make import make_mox
@@ -235,6 +235,40 @@ def _contraction_equation(node: Mox, plan) -> Equation | str:
   return found[0]
 
 
+def _site(node: Mox, plan, ratio: float):
+  """``(the contraction equation, the kernel's operand side)`` that
+  sketches ``plan``'s kernel, or why it cannot be sketched."""
+  name = '/'.join(plan.kernel_keys)
+  kind = plan.contraction.kind
+  if kind == RAGGED:
+    return (f'its kernel {name} is contracted by ragged_dot: each group '
+            "(expert) has a kernel gradient of its own rows, and how many "
+            'rows each group gets is known only at run time (the group '
+            'sizes are an input), so no sketch of a fixed size per group '
+            'can be drawn, and one over all rows would mix the groups; '
+            'randomized_linear sketches dot_general layers only')
+  if kind != 'dot_general':
+    return ('it is a convolution; randomized_linear sketches dot_general '
+            'layers only')
+  eqn = plan.site if plan.site is not None else \
+      _contraction_equation(node, plan)
+  if isinstance(eqn, str):
+    return eqn
+  side_x = 1 - plan.contraction.kernel_side
+  (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+  x_aval = eqn.inputs[side_x].aval
+  free = _free_axes(x_aval.ndim, (lc, rc)[side_x], (lb, rb)[side_x])
+  if not free:
+    return ('its input has no position that is not contracted (one row): '
+            'there is nothing to sketch')
+  n, k, kept, full = _sketch_bytes(x_aval, free, ratio)
+  if kept > full:
+    return (f'its sketch would keep {kept} bytes ({k} of {n} rows at ratio '
+            f'{ratio:g}, and the {KEY_BYTES}-byte key), more than its input '
+            f'{x_aval.str_short(short_dtypes=True)} ({full} bytes)')
+  return eqn, plan.contraction.kernel_side
+
+
 def _check(ratio, kind) -> float:
   if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
       not 0 < ratio <= 1:
@@ -305,36 +339,21 @@ def randomized_linear(mox: Mox, selection, *, ratio: float = 0.2,
     if not isinstance(node, Mox) or node.is_ephemeral:
       problems.append((node, 'it is not a module call'))
       continue
-    plan = kernel_plan(node, 1)
-    if isinstance(plan, str):
-      problems.append((node, plan))
+    plans = kernel_plans(node, 1)
+    if isinstance(plans, str):
+      problems.append((node, plans))
       continue
-    if plan.contraction.kind != 'dot_general':
-      problems.append((node, 'it is a convolution; randomized_linear '
-                       'sketches dot_general layers only'))
+    # Every kernel of the call is sketched, or the call is refused.
+    found, why = [], []
+    for plan in plans:
+      got = _site(node, plan, ratio)
+      if isinstance(got, str) and len(plans) > 1:
+        got = f"{'/'.join(plan.kernel_keys)}: {got}"
+      (why if isinstance(got, str) else found).append(got)
+    if why:
+      problems.append((node, '; '.join(why)))
       continue
-    eqn = _contraction_equation(node, plan)
-    if isinstance(eqn, str):
-      problems.append((node, eqn))
-      continue
-    side_x = 1 - plan.contraction.kernel_side
-    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
-    if not _free_axes(eqn.inputs[side_x].aval.ndim, (lc, rc)[side_x],
-                      (lb, rb)[side_x]):
-      problems.append((node, 'its input has no position that is not '
-                       'contracted (one row): there is nothing to sketch'))
-      continue
-    x_aval = eqn.inputs[side_x].aval
-    n, k, kept, full = _sketch_bytes(
-        x_aval, _free_axes(x_aval.ndim, (lc, rc)[side_x], (lb, rb)[side_x]),
-        ratio)
-    if kept > full:
-      problems.append((node, (
-          f'its sketch would keep {kept} bytes ({k} of {n} rows at ratio '
-          f'{ratio:g}, and the {KEY_BYTES}-byte key), more than its input '
-          f'{x_aval.str_short(short_dtypes=True)} ({full} bytes)')))
-      continue
-    sites.append((eqn, plan.contraction.kernel_side))
+    sites.extend(found)
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
     hint = leave_out_hint([(n, False) for n, _ in problems], selection,

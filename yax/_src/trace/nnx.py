@@ -129,6 +129,12 @@ class _Context:
     path = vars(module).get(_TAG)
     if path is None:
       path = self._path_from_sources(module)
+    if path is None and not self.stack and self._only_empty_state():
+      # A parameter-free model merged from the one (empty) ``nnx.State``
+      # argument: no variable tells where it sits, and there is no other
+      # place for it than that state's root (its own variables, once a
+      # rewrite adds them, go there, as in a hand-written model).
+      path = self.containers[0][0]
     if path is None:  # reached through a closure, or built in the call
       name = type(module).__name__
       path, k = ('<closure>', name), 0
@@ -137,6 +143,14 @@ class _Context:
         path = ('<closure>', f'{name}_{k}')
     self.register(module, path, tag=self._created_by_trace(module))
     return self.paths[id(module)]
+
+  def _only_empty_state(self) -> bool:
+    """True when the traced arguments hold exactly one model container,
+    an ``nnx.State`` with no variables."""
+    if len(self.containers) != 1:
+      return False
+    container = self.containers[0][1]
+    return isinstance(container, nnx.State) and not jtu.tree_leaves(container)
 
   def _bridged_path(self, module) -> bool:
     """Inside a ``ToLinen`` call: whether ``module`` has a path, giving it

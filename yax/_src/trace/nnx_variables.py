@@ -103,19 +103,10 @@ def is_param_kind(kind: str) -> bool:
   return issubclass(variable_type(kind), nnx.Param)
 
 
-def variable_holding(kind: str, value, like=None):
+def variable_holding(kind: str, value):
   """A Variable of type ``kind`` holding ``value`` (a symbol or an array),
-  built without running an initializer; with the metadata of ``like`` (a
-  Variable) when given."""
-  cls = variable_type(kind)
-  if like is not None:
-    proto = like
-    try:
-      proto = cls(np.zeros((), np.float32), **_metadata(like))
-    except Exception:  # noqa: BLE001 - metadata this type does not take
-      proto = cls(np.zeros((), np.float32))
-  else:
-    proto = cls(np.zeros((), np.float32))
+  built without running an initializer."""
+  proto = variable_type(kind)(np.zeros((), np.float32))
   return jtu.tree_unflatten(jtu.tree_structure(proto), [value])
 
 

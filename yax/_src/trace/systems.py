@@ -156,6 +156,12 @@ def param_leaves(arguments) -> set:
   return _nnx_variables.param_leaves(arguments)
 
 
+def is_typed_state(x) -> bool:
+  """Whether ``x`` is an ``nnx.State``: a container of typed variables
+  only, at their module paths (never a Linen collection)."""
+  return _nnx.nnx is not None and isinstance(x, _nnx.nnx.State)
+
+
 def holds_module_argument(mox) -> bool:
   """Whether the tree was traced with an NNX module itself (not its state)
   among the arguments: the module form, whose variables rewrites cannot
