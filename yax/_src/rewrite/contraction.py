@@ -653,25 +653,16 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
 def _contracted_here(node: Mox, index: int) -> bool:
   """Whether a contraction in ``node``'s own body (not in a module call
   inside it) reads its variable input ``index``."""
-  flat = _Flattener(node.path)
-  flat.node_children(node.children)
-  reached = {flat.canon(node.inputs[index])}
-  for eqn in flat.eqns:
-    if not any(not _is_literal(s) and s in reached for s in eqn.inputs):
-      continue
-    name = eqn.prim.name if eqn.prim is not None else None
-    if name in CONTRACTIONS or name == RAGGED:
-      if not eqn.nested:
-        return True
-      continue  # a submodule's contraction: its output is no kernel
-    reached.update(flat.canon(s) for s in eqn.outputs)
-  return False
+  return _reaches_contraction(node, index, own_body=True)
 
 
-def _reaches_contraction(node: Mox, index: int) -> bool:
+def _reaches_contraction(node: Mox, index: int, *,
+                         own_body: bool = False) -> bool:
   """Whether ``node``'s variable input ``index``, or a value computed
-  from it in the call's body, is an operand of a contraction."""
-  flat = _Flattener()
+  from it in the call's body, is an operand of a contraction; with
+  ``own_body``, only a contraction outside the module calls inside it
+  counts (a submodule's contraction outputs no kernel)."""
+  flat = _Flattener(node.path) if own_body else _Flattener()
   flat.node_children(node.children)
   reached = {flat.canon(node.inputs[index])}
   for eqn in flat.eqns:
@@ -679,7 +670,9 @@ def _reaches_contraction(node: Mox, index: int) -> bool:
       continue
     name = eqn.prim.name if eqn.prim is not None else None
     if name in CONTRACTIONS or name == RAGGED:
-      return True
+      if not (own_body and eqn.nested):
+        return True
+      continue
     reached.update(flat.canon(s) for s in eqn.outputs)
   return False
 
