@@ -16,6 +16,7 @@ with the reason otherwise.
 """
 
 import functools
+import importlib
 import os
 import re
 import types
@@ -413,6 +414,138 @@ def test_qwen3_moe_lora_merge_and_quantize(qwen3_moe):
   np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, ids),
                              fn(_dequantized(q, model), ids), rtol=1e-4,
                              atol=1e-5)
+
+
+# ----------------------------------- eqx-zoo Llama and BERT, equimo ViT
+
+def _installed(module: str):
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    msg = f'{module} is not installed ({e}); run: {INSTALL}'
+    if _in_ci():
+      pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+
+
+def _llama():
+  # Tied head (as Llama 3.2 1B): the logits read the embedding table
+  # directly, so the head is no Linear call.
+  eqx_zoo = _installed('eqx_zoo')
+  cfg = eqx_zoo.Config(
+      architecture='LlamaForCausalLM', vocab_size=64, hidden_size=32,
+      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+      tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+      rope_scaling=None)
+  model = eqx_zoo.CausalLM(cfg, key=jax.random.key(0))
+  assert model.lm_head is None
+  # Per layer: q, k, v, o; gate, up, down. One SiLU per layer.
+  return model, (jnp.arange(8),), lambda m, ids: m(ids)[0], 'DecoderLayer', 14
+
+
+def _bert():
+  eqx_zoo = _installed('eqx_zoo')
+  cfg = eqx_zoo.EncoderConfig(
+      architecture='BertModel', vocab_size=64, hidden_size=32,
+      num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+      max_position_embeddings=16, type_vocab_size=2, layer_norm_eps=1e-12)
+  model = eqx_zoo.Encoder(cfg, key=jax.random.key(0))
+  # Per layer: query, key, value, attention output, intermediate, output.
+  return model, (jnp.arange(2, 10),), lambda m, ids: m(ids), 'EncoderLayer', 12
+
+
+def _vit():
+  vit = _installed('equimo.vision.models.vit')
+  model = vit.VisionTransformer(
+      img_size=16, in_channels=3, dim=32, patch_size=8, num_heads=4,
+      depths=[2], num_classes=10, key=jax.random.key(0))
+  image = jax.random.normal(jax.random.key(1), (3, 16, 16))
+  # Per block: qkv, proj, fc1, fc2; the head.
+  return (model, (image,), lambda m, x: m(x, inference=True),
+          'AttentionBlock', 9)
+
+
+def _jitted_all(fns, models, args):
+  """``[f(m, *args) for f, m in zip(fns, models)]``, under one ``jax.jit``
+  (the models' non-array leaves static)."""
+  dynamic, static = eqx.partition(list(models), eqx.is_array)
+  return jax.jit(lambda d, a: [f(m, *a) for f, m in zip(
+      fns, eqx.combine(d, static), strict=True)])(dynamic, args)
+
+
+def _loss_and_grad(fn, model, args):
+  """A loss that no final norm makes constant, and its gradient by
+  ``jax.value_and_grad`` under ``jax.jit``."""
+  dynamic, static = eqx.partition(model, eqx.is_array)
+
+  def loss(d):
+    y = fn(eqx.combine(d, static), *args)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
+
+  return jax.jit(jax.value_and_grad(loss))(dynamic)
+
+
+@pytest.mark.parametrize('build', [_llama, _bert, _vit],
+                         ids=['eqx_zoo_llama', 'eqx_zoo_bert', 'equimo_vit'])
+def test_every_rewrite_against_the_library_forward(build):
+  # One trace per model; the rewritten trees and the library's own forward
+  # pass (on the model, the merged model and the dequantized model) each
+  # run under one jit.
+  model, args, fn, layer, n_linear = build()
+  mox = _trace(fn, model, *args)
+  types_ = [t for t, _ in _calls(mox)]
+  assert types_.count(layer) == 2 and types_.count('Linear') == n_linear
+  linears = '//module_call[@type="Linear"]'
+  by_hand = sum(x.size for x in jax.tree_util.tree_leaves(model)
+                if eqx.is_inexact_array(x))
+  assert yax.summary(mox)[0].params == by_hand  # every parameter, once
+
+  res = yax.lora(mox, model, linears, rank=2, key=jax.random.key(3))
+  assert len(res.paths) == n_linear
+  trained = jax.tree_util.tree_map(
+      lambda a: a + 0.01 if eqx.is_inexact_array(a) else a, res.params)
+  merged = res.merge(trained)
+  assert jax.tree_util.tree_structure(merged) == \
+      jax.tree_util.tree_structure(model)
+  q = yax.quantize(mox, model, linears, weight='int8')
+  assert sum(getattr(x, "dtype", None) == jnp.int8 for x in jax.tree_util.tree_leaves(
+      q.params)) == n_linear
+  cast = yax.cast(mox, linears, 'bfloat16')
+  few = yax.fewbit(mox)
+  assert len(yax.query('//module_call[@type="FewBit"]', few)) == 2
+  remat = yax.remat(mox, f'//module_call[@type="{layer}"]')
+  for tree in (res.mox, q.mox, cast, few, remat):
+    yax.check_mox(tree)
+
+  trees = [(mox, model), (res.mox, res.params), (res.mox, trained),
+           (q.mox, q.params), (few, model)]
+  replay, lora_init, lora_trained, quant, few_out = _jitted_all(
+      [functools.partial(yax.eval_mox, t) for t, _ in trees],
+      [p for _, p in trees], args)
+  want, want_merged, want_quant = _jitted_all(
+      [fn] * 3, [model, merged, _dequantized(q, model)], args)
+  np.testing.assert_array_equal(replay, want)  # exact replay
+  np.testing.assert_allclose(lora_init, want, rtol=1e-5, atol=1e-5)  # B = 0
+  np.testing.assert_allclose(lora_trained, want_merged, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(quant, want_quant, rtol=1e-4, atol=1e-5)
+  # cast runs eagerly: compiled with the rest on CPU, XLA stops at eqx-zoo
+  # Llama's bfloat16 x bfloat16 -> float32 dot ("Unsupported element type
+  # for DotThunk::Execute"), which it runs op by op.
+  cast_out = yax.eval_mox(cast, model, *args)
+  assert cast_out.dtype == want.dtype and not np.array_equal(cast_out, want)
+  np.testing.assert_allclose(cast_out, want,
+                             atol=0.05 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(few_out, want, rtol=1e-5, atol=1e-6)
+  # remat: the same loss and gradient as the library's forward.
+  (value, grad), (want_value, want_grad) = (
+      _loss_and_grad(functools.partial(yax.eval_mox, remat), model, args),
+      _loss_and_grad(fn, model, args))
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  for (kp, a), b in zip(jax.tree_util.tree_flatten_with_path(grad)[0],
+                        jax.tree_util.tree_leaves(want_grad), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(kp))
 
 
 # ---------------------------------------------------------------- esm2quinox
