@@ -482,10 +482,11 @@ def test_jax_and_flax_internals_only_in_compat(package):
 
 TRACE = '_src.trace'  # the frontends of the module systems live here
 # What names a module system: the Flax and Equinox packages, and YAX's own
-# frontend modules for them (trace/nnx*.py, trace/equinox*.py). Everything
-# else reaches a module system through trace/systems.py.
+# frontend modules for them (trace/linen*.py, trace/nnx*.py,
+# trace/equinox*.py). Everything else reaches a module system through
+# trace/systems.py.
 SYSTEM_PACKAGES = ('flax.nnx', 'flax.linen', 'equinox')
-SYSTEM_FRONTENDS = ('_src.trace.nnx', '_src.trace.equinox')
+SYSTEM_FRONTENDS = ('_src.trace.linen', '_src.trace.nnx', '_src.trace.equinox')
 # Modules outside trace/ let through for now, (importer, what it imports):
 # why. The test fails when one is no longer made, so the list only shrinks.
 SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {

@@ -1,7 +1,7 @@
 """What tools, views and reports ask of a module system (Linen, NNX, Equinox).
 
 Each module system has its frontend in ``yax/_src/trace/``: Linen's calls
-are marked in ``make.py`` (``flax.linen.intercept_methods``), NNX's in
+are marked in ``linen.py`` (``flax.linen.intercept_methods``), NNX's in
 ``nnx.py``, Equinox's in ``equinox.py``. Code outside ``trace/`` never
 imports them (``tests/test_layering.py`` checks it): it asks the functions
 here, which answer for every system.
@@ -35,12 +35,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
-
-import flax.linen as nn
 
 from yax._src.ir.variables import NNX_GROUP
 from yax._src.trace import equinox as _eqx
+from yax._src.trace import linen as _linen
 from yax._src.trace import nnx as _nnx
 from yax._src.trace import nnx_arguments as _nnx_arguments
 from yax._src.trace import nnx_variables as _nnx_variables
@@ -205,7 +205,7 @@ class TraceScope:
   Example::
 
       scope = TraceScope(args, kwargs)
-      with scope.active(interceptor, a, k):
+      with scope.active(trace, a, k):
         out = scope.call(fn, a, k)
   """
 
@@ -216,12 +216,12 @@ class TraceScope:
         (args, kwargs))
 
   @contextlib.contextmanager
-  def active(self, linen_interceptor, args, kwargs):
-    """Linen methods intercepted by ``linen_interceptor``, NNX and Equinox
-    methods wrapped (the modules in ``(args, kwargs)`` indexed at their
-    paths) while the block runs."""
-    with nn.intercept_methods(linen_interceptor), self._nnx, \
-        _eqx.tracing(args, kwargs):
+  def active(self, trace, args, kwargs):
+    """Linen methods intercepted for ``trace`` (a ``calls.Trace``), NNX and
+    Equinox methods wrapped (the modules in ``(args, kwargs)`` indexed at
+    their paths) while the block runs."""
+    with _linen.tracing(functools.partial(_linen.interceptor, trace)), \
+        self._nnx, _eqx.tracing(args, kwargs):
       yield
 
   def call(self, fn, args, kwargs):
