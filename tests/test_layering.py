@@ -500,15 +500,6 @@ SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
     ('_src.tools.lean_norm', 'flax.nnx'):
         'it recognises nnx.LayerNorm/nnx.RMSNorm calls by type (their body '
         'is replaced, the call kept)',
-    ('_src.tools.cast', 'flax.linen'): 'rebuilds a Linen module at a dtype',
-    ('_src.tools.init_params', 'flax.linen'): 'rebuilds a Linen module to '
-        'initialize it',
-    ('_src.tools.init_params', 'flax.nnx'): 'rebuilds an NNX module to '
-        'initialize it',
-    ('_src.tools.lora', 'flax.linen'):
-        "boxes adapters like a kernel's nn.meta.AxisMetadata",
-    ('_src.rewrite.contraction', 'flax.linen'):
-        "rebuilds a Linen module to find a stacked kernel's axes",
 }
 
 

@@ -123,3 +123,52 @@ def tracing(method_interceptor):
   """
   with nn.intercept_methods(method_interceptor):
     yield
+
+
+# ------------------------------------------------------------- rebuilds
+
+
+def is_module_class(cls) -> bool:
+  """Whether ``cls`` is a Linen module class (rebuilt from the fields a
+  trace recorded as a call's attributes)."""
+  return isinstance(cls, type) and issubclass(cls, nn.Module)
+
+
+def rebuilt(cls: type, attributes: dict, **changes) -> tuple[nn.Module, set]:
+  """A new ``cls`` (a Linen module) from a call's recorded ``attributes``,
+  with ``changes`` applied to the fields ``cls`` has; returns it and the
+  names of the fields changed.
+
+  Example: ``rebuilt(nn.Dense, {'features': 4}, dtype=jnp.bfloat16)``
+  gives ``(nn.Dense(4, dtype=bfloat16), {'dtype'})``.
+  """
+  fields = {f.name for f in dataclasses.fields(cls)
+            if f.init and f.name not in ('parent', 'name')}
+  kwargs = {k: v for k, v in attributes.items() if k in fields}
+  changed = {k for k in changes if k in fields}
+  kwargs.update({k: changes[k] for k in changed})
+  return cls(**kwargs), changed
+
+
+def init_variables(cls: type, attributes: dict, key, args, kwargs,
+                   method: str) -> dict:
+  """The variables (``{collection: {name: array}}``) a new ``cls`` (a
+  Linen module rebuilt from ``attributes``) creates when ``method`` is
+  initialised on ``args``/``kwargs`` with ``key``.
+
+  Example: ``init_variables(nn.Dense, {'features': 4}, key, (x,), {},
+  '__call__')['params']['kernel']``.
+  """
+  module, _ = rebuilt(cls, attributes)
+  return module.init(key, *args, method=getattr(cls, method), **kwargs)
+
+
+def unboxed(value):
+  """``value`` without its Linen metadata box (``nn.Partitioned`` ...)."""
+  return nn.meta.unbox(value)
+
+
+def is_box(x) -> bool:
+  """Whether ``x`` is a Linen metadata box (``nn.meta.AxisMetadata``:
+  ``nn.Partitioned``, ``nn.LogicallyPartitioned`` ...)."""
+  return isinstance(x, nn.meta.AxisMetadata)
