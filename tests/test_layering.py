@@ -497,9 +497,6 @@ SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
     ('_src.tools.lean_norm', 'flax.linen'):
         'its replacement module (LeanNorm) is a Linen module; it replaces '
         'nn.LayerNorm/nn.RMSNorm by type',
-    ('_src.tools.lean_norm', 'flax.nnx'):
-        'it recognises nnx.LayerNorm/nnx.RMSNorm calls by type (their body '
-        'is replaced, the call kept)',
 }
 
 

@@ -172,3 +172,9 @@ def is_box(x) -> bool:
   """Whether ``x`` is a Linen metadata box (``nn.meta.AxisMetadata``:
   ``nn.Partitioned``, ``nn.LogicallyPartitioned`` ...)."""
   return isinstance(x, nn.meta.AxisMetadata)
+
+
+def norm_kinds() -> dict[type, str]:
+  """Linen's normalisation layers by kind: ``{nn.LayerNorm: 'layer',
+  nn.RMSNorm: 'rms'}``."""
+  return {nn.LayerNorm: 'layer', nn.RMSNorm: 'rms'}

@@ -277,3 +277,11 @@ def init_variables(cls: type, attributes: dict, key, where: str):
         'store them as attributes of the module, or pass the variable in '
         'params')
   return nnx.state(cls(**kwargs))
+
+
+def norm_kinds() -> dict[type, str]:
+  """NNX's normalisation layers by kind: ``{nnx.LayerNorm: 'layer',
+  nnx.RMSNorm: 'rms'}`` (empty without ``flax.nnx``)."""
+  if nnx is None:
+    return {}
+  return {nnx.LayerNorm: 'layer', nnx.RMSNorm: 'rms'}

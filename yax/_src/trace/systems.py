@@ -16,6 +16,11 @@ The questions, by concern:
   split as ``nnx.split`` does), how state updates flow back into the
   given modules after ``eval_mox``, and how a model returned by a
   command-line factory becomes an argument.
+* **Rebuilds.** How a call's module is built anew from the fields the
+  trace recorded (``cast`` at another dtype, ``init_params`` for new
+  variables, ``contraction``'s declared kernel shapes): a Linen module is
+  rebuilt and applied, NNX and Equinox modules built by their
+  ``__init__``; and which classes are Flax's norm layers (``lean_norm``).
 * **Tracing.** The scope of one ``make_mox`` trace: every frontend's
   interception active around the traced function.
 
@@ -147,6 +152,16 @@ def reboxed(box, value, names: tuple):
   ('embed', None))``.
   """
   return box.replace(value=value, names=names)
+
+
+def norm_kind(cls) -> str | None:
+  """``'layer'`` for Flax's ``LayerNorm``, ``'rms'`` for its ``RMSNorm``
+  (Linen's and NNX's classes alike), else None.
+
+  Example: ``norm_kind(nnx.RMSNorm) == 'rms'``.
+  """
+  return (_linen.norm_kinds().get(cls)
+          or _nnx_variables.norm_kinds().get(cls))
 
 
 def is_typed_variable(x) -> bool:
