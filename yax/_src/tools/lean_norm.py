@@ -15,11 +15,10 @@ features.
 
 The forward pass computes the norm in float32 as Flax does (equal within
 float rounding, not bit for bit: Flax's fast variance is ``E[x^2] -
-E[x]^2``, used here too). A selected Linen call is substituted by a
-``LeanNorm`` module call at the same path reading the same ``scale`` and
-``bias`` variables. An NNX call (``nnx.LayerNorm``/``nnx.RMSNorm``) keeps
-its type, path, fields and variables; its body becomes the ``custom_vjp``
-and it gains the field ``lean="norm"``.
+E[x]^2``, used here too). A selected call (``nn.LayerNorm``/``nn.RMSNorm``
+or ``nnx.LayerNorm``/``nnx.RMSNorm``) keeps its type, path, fields and
+variables, so queries written for the plain model still find it; its body
+becomes the ``custom_vjp`` and it gains the field ``lean="norm"``.
 
 With ``activations=``, element-wise activations keep one tensor too.
 JAX's autodiff of an activation keeps what its derivative's formula reads:
@@ -111,29 +110,10 @@ def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool):
   return f
 
 
-class LeanNorm(nn.Module):
-  """A LayerNorm (``rms=False``) or RMSNorm over the last axis whose
-  backward pass keeps its input and per-row statistics."""
-  rms: bool = False
-  epsilon: float = 1e-6
-  use_scale: bool = True
-  use_bias: bool = True
-  param_dtype: object = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    features = (x.shape[-1],)
-    scale = self.param('scale', nn.initializers.ones, features,
-                       self.param_dtype) if self.use_scale else None
-    bias = self.param('bias', nn.initializers.zeros, features,
-                      self.param_dtype) if self.use_bias else None
-    return lean_function(self.rms, float(self.epsilon), self.use_scale,
-                         self.use_bias)(x, scale, bias)
-
-
-_SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
-# NNX norms keep their call (type, path, variables); only the body changes.
-_NNX = {nnx.LayerNorm: False, nnx.RMSNorm: True}
+# Norm class -> RMS (True) or LayerNorm (False). Each call keeps its type,
+# path, fields and variables; only its body changes.
+_NORMS = {nn.LayerNorm: False, nn.RMSNorm: True,
+          nnx.LayerNorm: False, nnx.RMSNorm: True}
 
 
 def _last_axis(value) -> bool:
@@ -141,8 +121,7 @@ def _last_axis(value) -> bool:
 
 
 def _why_not(node) -> str | None:
-  if not isinstance(node, Mox) or (node.module_ty not in _SUPPORTED and
-                                   node.module_ty not in _NNX):
+  if not isinstance(node, Mox) or node.module_ty not in _NORMS:
     return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
             '(lean_norm rewrites those)')
   if node.rewritten:
@@ -156,6 +135,10 @@ def _why_not(node) -> str | None:
             'the last axis for both')
   if p.get('axis_name') is not None or p.get('axis_index_groups') is not None:
     return 'it reduces across devices (axis_name); lean_norm does not'
+  if 'compute_dtype' in p:
+    return (f'yax.cast made it compute in {p["compute_dtype"]}; lean_norm '
+            'computes in float32 and would drop that (leave norms out of '
+            'the cast)')
   if len(node.arg_inputs) != 1:
     return f'it takes {len(node.arg_inputs)} arguments, expected one'
   x = node.arg_inputs[0]
@@ -164,39 +147,42 @@ def _why_not(node) -> str | None:
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
-  if node.module_ty in _NNX:
-    names = _nnx_names(node)
-    wanted = {'scale'} if p.get('use_scale', True) else set()
-    if p.get('use_bias', True) and not _NNX[node.module_ty]:
-      wanted.add('bias')
-    if names is None or set(names) != wanted:
-      return (f'it reads the variables {names!r}, expected '
-              f'{sorted(wanted)!r} (its own scale/bias)')
+  names = _variable_names(node)
+  wanted = {'scale'} if p.get('use_scale', True) else set()
+  if p.get('use_bias', True) and not _NORMS[node.module_ty]:
+    wanted.add('bias')
+  if names is None or set(names) != wanted:
+    return (f'it reads the variables {names!r}, expected '
+            f'{sorted(wanted)!r} (its own scale/bias)')
   return None
 
 
-def _nnx_names(node: Mox) -> list | None:
-  """The name of each variable input of an NNX call, in input order, or
-  None when they are not top-level names."""
+def _variable_names(node: Mox) -> list | None:
+  """The name of each variable input of a norm call, in input order (an
+  NNX call's top-level names; a Linen call's names in ``params``), or None
+  when they are not laid out so."""
   names = []
   for path, _ in jtu.tree_flatten_with_path(
       jtu.tree_unflatten(node.var_tree, list(range(node.num_vars))))[0]:
-    if len(path) != 1:
+    keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+    if len(keys) == 2 and keys[0] == 'params':  # Linen: {'params': {...}}
+      keys = keys[1:]
+    if len(keys) != 1:
       return None
-    key = path[0]
-    names.append(getattr(key, 'key', getattr(key, 'name', None)))
+    names.append(keys[0])
   return names
 
 
-def _nnx_replacement(node: Mox) -> Mox:
-  """The NNX call with its body replaced by the lean ``custom_vjp``: same
-  inputs (variables, then ``x``), outputs, type, path and fields."""
+def _lean_call(node: Mox) -> Mox:
+  """The norm call with its body replaced by the lean ``custom_vjp``: same
+  inputs (variables, then ``x``), outputs, type, path and fields, plus the
+  field ``lean="norm"``."""
   p = node.params
-  rms = _NNX[node.module_ty]
+  rms = _NORMS[node.module_ty]
   use_scale = p.get('use_scale', True)
   use_bias = p.get('use_bias', True) and not rms
   fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
-  names = _nnx_names(node)
+  names = _variable_names(node)
 
   def run(values):
     own = dict(zip(names, values[:node.num_vars]))
@@ -313,9 +299,8 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   - ``selection``: XPath or node list of ``flax.linen`` or ``flax.nnx``
     ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every one.
 
-  **Returns:** the new tree: each selected Linen call is a ``LeanNorm``
-  call at the same path, reading the same ``scale``/``bias``; each NNX
-  call keeps its type, path and variables and gains ``lean="norm"``;
+  **Returns:** the new tree: each selected call keeps its type, path,
+  fields and variables (``scale``/``bias``) and gains ``lean="norm"``;
   each activation found is a ``LeanActivation`` call (attribute ``name``:
   the activation). Outputs equal the original's within float rounding
   (activations: bit for bit), gradients exact.
@@ -354,24 +339,7 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
         f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
         f'{lines}\n{hint}')
 
-  def replace(path, node):
-    del path
-    if node.module_ty in _NNX:
-      return _nnx_replacement(node)
-    p = node.params
-    x = node.arg_inputs[0]
-    module = LeanNorm(rms=_SUPPORTED[node.module_ty],
-                      epsilon=p.get('epsilon', 1e-6),
-                      use_scale=p.get('use_scale', True),
-                      use_bias=p.get('use_bias', True) and
-                      not _SUPPORTED[node.module_ty],
-                      param_dtype=p.get('param_dtype', jnp.float32),
-                      name=node.path[-1] if node.path else None)
-    spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
-    variables = jax.eval_shape(module.init, jax.random.key(0), spec)
-    return make_mox(module.apply)(variables, spec)
-
-  new = substitute(chosen, replace, mox).mox
+  new = substitute(chosen, lambda path, node: _lean_call(node), mox).mox
   if activations is False:
     return new
   return _lean_activations(new, activations)
