@@ -125,6 +125,15 @@ def record_module_variables(cls: type, attributes: dict, key,
   return _eqx.init_variables(cls, attributes, key, where)
 
 
+def equinox_norms() -> dict[type, bool]:
+  """Equinox's own norm classes, ``{eqx.nn.LayerNorm: False,
+  eqx.nn.RMSNorm: True}`` (True: RMS), whose calls ``yax.lean_norm``
+  rewrites; ``{}`` without Equinox."""
+  if _eqx.eqx is None:
+    return {}
+  return {_eqx.eqx.nn.LayerNorm: False, _eqx.eqx.nn.RMSNorm: True}
+
+
 def variable_kinds(node) -> list[str] | None:
   """The kind of each of a module call's variable inputs (``Param``,
   ``BatchStat``, ``RngCount`` ...) when they are typed (NNX, Equinox),
