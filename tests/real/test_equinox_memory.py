@@ -105,6 +105,18 @@ def test_each_norm_keeps_its_input_and_row_statistics():
   assert plain.count('f32[6,16]') > 3 + 3  # several per norm in Equinox
 
 
+def test_variance_as_equinox_computes_it():
+  # Equinox's jnp.var is two-pass; E[x^2] - E[x]^2 would lose the variance
+  # of rows with a large mean (1000 +- 1 here).
+  model = Net(16, 1e-5, jax.random.key(0))
+  model = eqx.tree_at(lambda m: m.up.bias, model, model.up.bias + 1000.0)
+  x = jax.random.normal(jax.random.key(1), (4, 5))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(lambda m, x: m(x))(model,
+                                                                    x)))
+  np.testing.assert_allclose(yax.eval_mox(new, model, x), model(x),
+                             rtol=1e-4, atol=1e-4)
+
+
 def test_refuses_a_norm_over_several_axes():
   class Wide(eqx.Module):
     ln: eqx.nn.LayerNorm

@@ -273,3 +273,19 @@ def test_cast_and_lean_norm_refuse_each_others_norms():
                                                                   'rms']
   kept = saved_residuals(loss(lambda v, x: yax.eval_mox(dense, v, x)), v, x)
   assert kept.count('f32[6,1]') == 3
+
+
+def test_two_pass_variance_where_flax_uses_it():
+  # Before: lean_norm ignored use_fast_variance=False and computed
+  # E[x^2] - E[x]^2, which loses the variance of rows with a large mean
+  # (here 1000 +- 1: float32 keeps about 0.06 of E[x^2] = 1e6 + 1).
+  model = nn.LayerNorm(use_fast_variance=False)
+  x = 1000.0 + jax.random.normal(jax.random.key(1), (4, 16))
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-4,
+                             atol=1e-4)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=1e-3, atol=1e-4)
