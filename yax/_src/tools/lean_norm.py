@@ -44,7 +44,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
@@ -119,15 +118,18 @@ def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool,
   return f
 
 
-# Norm class -> RMS (True) or LayerNorm (False). Each call keeps its type,
-# path, fields and variables; only its body changes.
-_FLAX_NORMS = {nn.LayerNorm: False, nn.RMSNorm: True,
-               nnx.LayerNorm: False, nnx.RMSNorm: True}
-
-
-def _norms() -> dict:
-  """Every norm class lean_norm rewrites (Equinox's where installed)."""
-  return {**_FLAX_NORMS, **_systems.equinox_norms()}
+def _kind(cls) -> tuple[str, bool] | None:
+  """``(system, rms)`` of a norm class lean_norm rewrites: ``'flax'``
+  (Linen and NNX) or ``'equinox'``, and whether it is an RMSNorm; None
+  for any other class. Each call keeps its type, path, fields and
+  variables; only its body changes."""
+  kind = _systems.norm_kind(cls)
+  if kind is not None:
+    return 'flax', kind == 'rms'
+  kind = _systems.equinox_norm_kind(cls)
+  if kind is not None:
+    return 'equinox', kind == 'rms'
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +151,15 @@ def _last_axis(value) -> bool:
 
 def _norm(node) -> _Norm | str:
   """The settings of a norm call lean_norm can rewrite, or why it cannot."""
-  norms = _norms()
-  if not isinstance(node, Mox) or node.module_ty not in norms:
+  kind = _kind(node.module_ty) if isinstance(node, Mox) else None
+  if kind is None:
     return ('it is not a flax.linen, flax.nnx or Equinox LayerNorm or '
             'RMSNorm call (lean_norm rewrites those)')
+  system, rms = kind
   if node.rewritten:
     return ('another rewrite changed its variables (rewritten="true"); '
             'lean_norm reads a norm\'s own scale and bias')
   p = node.params
-  rms = norms[node.module_ty]
   if 'compute_dtype' in p:
     return (f'yax.cast made it compute in {p["compute_dtype"]}; lean_norm '
             'computes in float32 and would drop that (leave norms out of '
@@ -170,7 +172,7 @@ def _norm(node) -> _Norm | str:
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
-  if node.module_ty in _FLAX_NORMS:
+  if system == 'flax':
     if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
         p.get('feature_axes', -1)):
       return (f'it normalises over reduction_axes='
