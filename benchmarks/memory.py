@@ -28,6 +28,10 @@ function. Variants, each a rewrite of the traced model
 * ``randomized 20% gaussian``: the same with ``kind='gaussian'`` (the
   dense sketch, quadratic in the rows), side by side;
 * ``fewbit + randomized``: both;
+* ``lean_norm(activations)``: ``yax.lean_norm(..., activations=True)``
+  (each LayerNorm keeps its input and row statistics, each activation its
+  input);
+* ``fewbit + randomized + lean``: the three together (fewbit first);
 * ``remat every layer``: ``yax.remat`` of every ``Flax*Layer`` call;
 * ``HF gradient_checkpointing``: the same model built with
   ``gradient_checkpointing=True`` (not a YAX rewrite: the reference);
@@ -53,7 +57,11 @@ Columns:
 * ``XLA arg/out/temp/alias MiB``: ``compiled.memory_analysis()`` of the
   jitted training step. On CPU, XLA's schedule is not memory-aware, so the
   temp column is printed for reference, not as the goal;
-* ``step x``: median step time at ``--time-batch`` against the baseline's;
+* ``step x``: median step time at ``--time-batch`` against the baseline's,
+  measured side by side: each of ``--rounds`` rounds (default 5) runs one
+  step of every variant in turn, so a change of load on the (shared)
+  machine slows every variant alike; ``--time-batch 16 --seq 128`` is the
+  issue's n = 2,048 rows;
 * ``grad err``: ``||g - g_exact|| / ||g_exact||`` over all params at
   ``--time-batch`` (one sketch key for the randomized variants).
 """
@@ -222,6 +230,10 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask,
           mox, dense, ratio=0.2, kind='gaussian')),
       'fewbit + randomized': of(
           yax.randomized_linear(few, dense, ratio=0.2) if fewbit else missing),
+      'lean_norm(activations)': of(yax.lean_norm(mox, activations=True)),
+      'fewbit + randomized + lean': of(yax.lean_norm(
+          yax.randomized_linear(few, dense, ratio=0.2), activations=True)
+          if fewbit else missing),
       'remat every layer': of(yax.remat(mox, layers)),
       'HF gradient_checkpointing': hf,
       'remat dots_no_batch': of(yax.remat(
@@ -248,19 +260,26 @@ def xla_memory(loss, opt, params, state, batch, key):
           m.temp_size_in_bytes, m.alias_size_in_bytes)
 
 
-def step_time(loss, opt, params, batch, key, rounds: int = 2) -> float:
-  step = train_step(loss, opt)
-  copy = lambda t: jax.tree_util.tree_map(jnp.array, t)
-  p, s = copy(params), opt.init(params)
-  p, s = step(p, s, *batch, key)  # compile and warm up
-  jax.block_until_ready(p)
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
+def step_times(losses: dict, opt, params, batch, key, rounds: int
+               ) -> dict[str, float]:
+  """Median step time of each variant, measured side by side: each round
+  runs one step of every variant in turn (one params/Adam state passed
+  from step to step: the steps donate them), so a change of load on the
+  machine slows every variant alike."""
+  steps = {label: train_step(loss, opt) for label, loss in losses.items()}
+  p = jax.tree_util.tree_map(jnp.array, params)
+  s = opt.init(params)
+  for step in steps.values():  # compile and warm up
     p, s = step(p, s, *batch, key)
     jax.block_until_ready(p)
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  times = {label: [] for label in steps}
+  for _ in range(rounds):
+    for label, step in steps.items():
+      t0 = time.perf_counter()
+      p, s = step(p, s, *batch, key)
+      jax.block_until_ready(p)
+      times[label].append(time.perf_counter() - t0)
+  return {label: statistics.median(t) for label, t in times.items()}
 
 
 def grad_error(loss, exact, params, batch, key) -> float:
@@ -294,14 +313,18 @@ def run_model(name: str, args) -> list[str]:
   found = _only(variants(model, layer, hf_gc, params, big[0], big[1],
                          planned), args.variants)
   if args.no_time:
-    timed = exact = None
+    timed = exact = times = None
   else:  # the traced trees have the benchmark's batch: trace again
     timed = _only(variants(model, layer, hf_gc, params, little[0],
                            little[1], planned), args.variants)
     exact = jax.jit(jax.grad(timed['baseline']))(params, *little, key)
+    times = step_times({k: v for k, v in timed.items()
+                        if not isinstance(v, str)}, opt, params, little, key,
+                       args.rounds)
   lines = [f'{name}: {param_bytes / MiB:.1f} MiB of params, batch '
-           f'{args.batch} x {args.seq} (step time and gradient error at batch '
-           f'{"-" if args.no_time else args.time_batch})',
+           f'{args.batch} x {args.seq} (step time, the median of '
+           f'{args.rounds} steps side by side, and gradient error at batch '
+           f'{"-" if args.no_time else args.time_batch} x {args.seq})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
            f'{"ratio":>6s} {"XLA arg":>8s} {"out":>8s} {"temp":>8s} '
            f'{"alias":>8s} {"step x":>7s} {"grad err":>9s}']
@@ -319,8 +342,8 @@ def run_model(name: str, args) -> list[str]:
       if args.no_time:
         timing = f'{"-":>7s} {"-":>9s}'
       else:
-        t = step_time(timed[label], opt, params, little, key)
-        base_time = base_time or t
+        t = times[label]
+        base_time = base_time or times['baseline']
         err = grad_error(timed[label], exact, params, little, key)
         timing = f'{t / base_time:7.2f} {err:9.2e}'
       lines.append(
@@ -362,6 +385,9 @@ def main(argv=None):
                       default='lean_norm,remat,fewbit,randomized',
                       help='what yax.fit_memory may choose for the "plan" '
                       'variants (comma-separated)')
+  parser.add_argument('--rounds', type=int, default=5,
+                      help='steps timed per variant, side by side (the '
+                      'median is printed)')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)

@@ -495,8 +495,8 @@ SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
     ('_src.tools.fewbit', 'flax.linen'):
         'its replacement module (FewBit) is a Linen module',
     ('_src.tools.lean_norm', 'flax.linen'):
-        'its replacement module (LeanNorm) is a Linen module; it replaces '
-        'nn.LayerNorm/nn.RMSNorm by type',
+        'its replacement module for activations (LeanActivation) is a '
+        'Linen module',
 }
 
 

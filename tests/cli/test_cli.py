@@ -91,6 +91,10 @@ def lora_factory():
   return yax.lora(mox, variables, '//module_call[@name="out"]', rank=2).mox
 
 
+def mean_loss(outputs):
+  return jnp.mean(outputs)
+
+
 def trace_fails():
   return (lambda x: x.no_such_attribute, (jnp.ones(2),), {})
 
@@ -254,6 +258,82 @@ def test_summary_table(workdir, model):
   assert rows['hidden'][7] == f'{2 * 2 * 4 * 5 + 2 * 5}'
   assert rows['(top)'][1:3] == ['MLP', 'x: f32[2,4]']
   assert rows['(top)'][5:7] == ['', f'{total:,}']
+
+
+def _factory_module(workdir):
+  spec = importlib.util.spec_from_file_location(
+      'yax_cli_model_by_hand', workdir / 'yax_cli_model.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_summary_memory_column_is_memory_reports(workdir, model):
+  """``--memory``: the bytes of yax.memory_report of the step written by
+  hand (plain Flax, the sum of squares of the outputs); ``--loss``: of
+  that loss instead."""
+  import jax.numpy as jnp
+  _, variables = model
+  module = _factory_module(workdir)
+  x = jnp.ones((2, 4))
+  apply = module.MLP().apply
+  for flags, loss in [
+      (['--memory'], lambda v, x: jnp.sum(jnp.square(apply(v, x)))),
+      (['--loss', 'yax_cli_model:mean_loss'],
+       lambda v, x: jnp.mean(apply(v, x)))]:
+    report = yax.memory_report(loss, variables, x, xla=False)
+    out = run_yax('summary', *flags, 'yax_cli_model.py:factory',
+                  cwd=workdir).stdout.decode()
+    rows = _table_rows(out)
+    # Columns: path, module, inputs, outputs, variables, own params,
+    # params, saved, FLOPs.
+    (head,) = [line for line in out.splitlines() if '│ path' in line]
+    assert head.split('│')[8].strip() == 'saved'
+    kept = report.by_path()
+    assert {p: rows[p][7] for p in rows} == {
+        p: f'{kept[q]:,}' if kept[q] else ''
+        for p, q in [('(top)', '<MLP>'), ('hidden', 'hidden'),
+                     ('out', 'out')]}
+    assert (f'Saved for the backward pass: {report.total:,} bytes '
+            f'({report.unattributed:,} outside module calls)') in out
+  assert kept['<MLP>'] > 0  # the ReLU's
+  # The square keeps the outputs, the mean nothing.
+  assert report.unattributed == 0
+  plain = run_yax('summary', 'yax_cli_model.py:factory', cwd=workdir)
+  assert 'saved' not in plain.stdout.decode()
+
+
+def test_html_memory_embeds_memory_reports(workdir, model):
+  import jax.numpy as jnp
+  _, variables = model
+  module = _factory_module(workdir)
+  x = jnp.ones((2, 4))
+  apply = module.MLP().apply
+  report = yax.memory_report(lambda v, x: jnp.sum(jnp.square(apply(v, x))),
+                             variables, x, xla=False)
+  run_yax('html', '--memory', '--no-compress', '-o', 'memory.html',
+          'yax_cli_model.py:factory', cwd=workdir)
+  page = (workdir / 'memory.html').read_text()
+  (body,) = re.findall(r'<script id="yax-data"[^>]*>(.*?)</script>', page,
+                       re.S)
+  data = json.loads(body)
+  assert data['memory']['saved'] == report.total
+  assert sorted(s for s in data['saved'] if s is not None) == sorted(
+      report.by_path().values())
+
+
+def test_memory_refusals(workdir):
+  mox_factory = run_yax('summary', '--memory',
+                        'yax_cli_model.py:lora_factory', cwd=workdir,
+                        check=False)
+  assert mox_factory.returncode == 2
+  assert 'returned a yax.Mox, with no arguments' in \
+      mox_factory.stderr.decode()
+  bad_loss = run_yax('summary', '--loss', 'yax_cli_model', 'yax_cli_model.py',
+                     cwd=workdir, check=False)
+  assert bad_loss.returncode == 2
+  assert "--loss 'yax_cli_model': expected module:fn" in \
+      bad_loss.stderr.decode()
 
 
 @pytest.mark.parametrize('columns', ['100', '120'])

@@ -159,8 +159,12 @@ def _lean_norm_check(model, mox, args, kwargs, norms, grads=True):
   both gradients is the slow part), fewer saved residuals."""
   from helpers import check_rewrite, saved_residuals
   new = check_rewrite(yax.lean_norm(mox))
-  assert len(modules(new, 'LeanNorm')) == norms
-  assert not modules(new, 'LayerNorm')
+  # Each norm keeps its call (type LayerNorm, path), marked lean="norm".
+  lean_calls = modules(new, 'LayerNorm')
+  assert [n.path for n in lean_calls] == [n.path for n in modules(
+      mox, 'LayerNorm')]
+  assert len(lean_calls) == norms
+  assert all(n.params['lean'] == 'norm' for n in lean_calls)
   mine = lambda *a, **k: yax.eval_mox(new, *a, **k)
   assert_trees_close(jax.jit(mine)(*args, **kwargs), model(*args, **kwargs),
                      **TOL)

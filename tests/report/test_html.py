@@ -540,3 +540,73 @@ def test_screenshot_of_a_12_layer_model(browser, bert12, tmp_path):
   assert pane['y'] <= ty['y'] <= pane['y'] + pane['height']
   assert errors == []
   page.close()
+
+
+# ------------------------------------------------ the memory report column
+
+def _memory_model():
+  """A Linen MLP block (LayerNorm, Dense, GELU, Dense) called twice, plain
+  Flax, with its variables, input and a loss written by hand."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.gelu(nn.Dense(16, name='up')(nn.LayerNorm(name='ln')(x)))
+      return x + nn.Dense(8, name='down')(h)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Block(name='b1')(Block(name='b0')(x))
+
+  model = Net()
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  v = model.init(jax.random.key(0), x)
+  loss = lambda v, x: jnp.sum(jnp.square(model.apply(v, x)))
+  return model, v, x, loss
+
+
+def test_payload_saved_is_memory_reports():
+  model, v, x, loss = _memory_model()
+  mox = yax.make_mox(model.apply)(v, x)
+  report = yax.memory_report(loss, v, x, xla=False)
+  data = _html.payload(mox, memory=report)
+  nodes = _html._nodes(mox)
+  shown = {'/'.join(n.path) or f'<{n.type_name}>': data['saved'][i]
+           for i, n in enumerate(nodes)
+           if isinstance(n, yax.Mox) and not n.is_ephemeral}
+  assert shown == report.by_path()
+  # Equations carry none; the GELUs keep something of their own.
+  assert all(s is None for s, n in zip(data['saved'], nodes)
+             if not isinstance(n, yax.Mox))
+  assert shown['b0/ln'] > 0 and shown['b0'] > 0
+  assert data['memory'] == {'saved': report.total,
+                            'unattributed': report.unattributed,
+                            'training': report.training}
+  assert 'saved' not in _html.payload(mox)  # no report, no column
+
+
+def test_viewer_shows_saved_bytes(browser, tmp_path):
+  model, v, x, loss = _memory_model()
+  mox = yax.make_mox(model.apply)(v, x)
+  report = yax.memory_report(loss, v, x, xla=False)
+  path = tmp_path / 'memory.html'
+  _html.write_html(mox, path, memory=report)
+  page, errors, _ = _open(browser, path)
+  nodes = _html._nodes(mox)
+  (b0,) = [i for i, n in enumerate(nodes)
+           if isinstance(n, yax.Mox) and n.path == ('b0',)]
+  kept = report.by_path()['b0']
+  # As the summary writes bytes (1,024 bytes: 1.0 KB).
+  assert _row(page, b0).locator('.sv').text_content() == (
+      _summary.human_bytes(kept) + ' saved')
+  _row(page, b0).click()
+  assert f'{kept:,} bytes saved for the backward pass' in page.text_content(
+      '#details')
+  assert 'saved for the backward pass, training' in page.text_content(
+      '#status')
+  assert errors == []
+  page.close()

@@ -51,10 +51,20 @@ def test_outputs_and_gradients_are_the_originals(rows, features, lead,
   x = 3.0 * jax.random.normal(jax.random.key(rows), (lead, rows, 5)) + 1.0
   v = perturbed(model.init(jax.random.key(0), x))
   mox = yax.make_mox(model.apply)(v, x)
+  before = mox.to_json()
   new = check_rewrite(yax.lean_norm(mox))
-  assert [(n.path, n.type_name) for n in yax.query(
-      '//module_call[@type="LeanNorm"]', new)] == [(('ln',), 'LeanNorm'),
-                                                   (('rms',), 'LeanNorm')]
+  assert mox.to_json() == before
+  # Each Linen call keeps its type, path, fields and variables, marked
+  # lean="norm": queries written for the plain model still find it.
+  kept = yax.query('//module_call[@type="LayerNorm" or @type="RMSNorm"]',
+                   new)
+  assert [(n.path, n.type_name, n.params.get('lean')) for n in kept] == [
+      (('ln',), 'LayerNorm', 'norm'), (('rms',), 'RMSNorm', 'norm')]
+  plain = yax.query('//module_call[@type="LayerNorm" or @type="RMSNorm"]',
+                    mox)
+  for a, b in zip(kept, plain, strict=True):
+    assert a.var_tree == b.var_tree and a.entrypoint == b.entrypoint
+    assert {k: v for k, v in a.params.items() if k != 'lean'} == b.params
   mine = lambda v, x: yax.eval_mox(new, v, x)
   np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
                              atol=1e-5)
@@ -107,7 +117,7 @@ def test_refusals_and_input_unchanged():
   new = check_rewrite(yax.lean_norm(mox, fixed))
   np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
                              rtol=1e-5, atol=1e-5)
-  with pytest.raises(yax.SubstitutionError, match='not a flax.linen or flax.nnx LayerNorm'):
+  with pytest.raises(yax.SubstitutionError, match='not a flax.linen, flax.nnx or Equinox LayerNorm'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x),
         '//module_call[@type="Dense"]')
@@ -233,3 +243,49 @@ def test_activations_compose_with_fewbit():
   with pytest.raises(yax.SubstitutionError, match='no supported activation'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x), activations=True)
+
+
+def test_cast_and_lean_norm_refuse_each_others_norms():
+  # Before: cast rebuilt a lean Linen LayerNorm from its class, so the
+  # call said lean="norm" while its body kept Flax's residuals again.
+  model = Net()
+  x = jax.random.normal(jax.random.key(1), (6, 5))
+  v = perturbed(model.init(jax.random.key(0), x))
+  mox = yax.make_mox(model.apply)(v, x)
+  lean = check_rewrite(yax.lean_norm(mox))
+  before = lean.to_json()
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.cast(lean, '//module_call[@type="LayerNorm"]', 'bfloat16')
+  assert "module_call LayerNorm at path 'ln'" in str(err.value)
+  assert "lean_norm call(s) at 'ln'" in str(err.value)
+  assert lean.to_json() == before
+  low = yax.cast(mox, '//module_call[@type="LayerNorm"]', 'bfloat16')
+  with pytest.raises(yax.SubstitutionError,
+                     match="at path 'ln': yax.cast made it compute in "
+                           "bfloat16"):
+    yax.lean_norm(low)
+  # Norms left out of the cast: both apply, and ln keeps its input (the
+  # first Dense's output, computed in bfloat16 and cast back) and its
+  # per-row statistics.
+  dense = check_rewrite(yax.lean_norm(
+      yax.cast(mox, '//module_call[@type="Dense"]', 'bfloat16')))
+  assert yax.query('//module_call[@lean="norm"]/@path', dense) == ['ln',
+                                                                  'rms']
+  kept = saved_residuals(loss(lambda v, x: yax.eval_mox(dense, v, x)), v, x)
+  assert kept.count('f32[6,1]') == 3
+
+
+def test_two_pass_variance_where_flax_uses_it():
+  # Before: lean_norm ignored use_fast_variance=False and computed
+  # E[x^2] - E[x]^2, which loses the variance of rows with a large mean
+  # (here 1000 +- 1: float32 keeps about 0.06 of E[x^2] = 1e6 + 1).
+  model = nn.LayerNorm(use_fast_variance=False)
+  x = 1000.0 + jax.random.normal(jax.random.key(1), (4, 16))
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-4,
+                             atol=1e-4)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=1e-3, atol=1e-4)

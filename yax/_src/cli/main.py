@@ -225,9 +225,12 @@ def trace_model(spec: str | None):
   """Loads MODEL and traces it; returns ``(mox, label)``. A factory's
   ``Mox`` is returned as it is (tracing it again would record its
   evaluation, with no module calls)."""
+  return _trace_loaded(*load_model(spec))
+
+
+def _trace_loaded(fn, args, kwargs, label):
   from yax._src.ir.nodes import Mox
   from yax._src.trace.make import make_mox
-  fn, args, kwargs, label = load_model(spec)
   if isinstance(fn, Mox):
     return fn, label
   try:
@@ -235,6 +238,79 @@ def trace_model(spec: str | None):
       return make_mox(fn)(*args, **kwargs), label
   except Exception as e:
     raise _Failure(f'tracing {label} failed: {_describe(e)}') from e
+
+
+def sum_of_squares(outputs):
+  """``--memory``'s default loss: the sum of the squares of every floating
+  array in the model's outputs (computed in float32)."""
+  import jax
+  import jax.numpy as jnp
+  leaves = [x for x in jax.tree_util.tree_leaves(outputs)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  if not leaves:
+    raise _Failure('--memory: the model returns no floating array to '
+                   'differentiate (give --loss MODULE:FN)')
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+
+
+def _load_loss(spec: str):
+  """``--loss``'s function, ``module:fn`` or ``path/to/file.py:fn``."""
+  if ':' not in spec:
+    raise _Usage(f'--loss {spec!r}: expected module:fn or '
+                 'path/to/file.py:fn')
+  target, attr = _parse_spec(spec)
+  found = _import_file(target) if _is_file_target(target) else \
+      _import_module(target)
+  for part in attr.split('.'):
+    if not hasattr(found, part):
+      raise _Usage(f'--loss: {target} has no attribute {attr!r}')
+    found = getattr(found, part)
+  if not callable(found):
+    raise _Usage(f'--loss {spec!r} is a {type(found).__name__}, expected a '
+                 'function of the model\'s outputs')
+  return found
+
+
+def memory_of(fn, args, kwargs, label, loss_spec: str | None):
+  """``--memory``: ``yax.memory_report`` of the training step
+  ``loss(fn(*args, **kwargs))`` differentiated with respect to the first
+  argument (the params); ``loss`` is ``--loss``'s function or
+  :func:`sum_of_squares`."""
+  from yax._src.ir.nodes import Mox
+  from yax._src.report.memory import memory_report
+  if isinstance(fn, Mox):
+    raise _Usage(f'--memory: the factory {label} returned a yax.Mox, with no '
+                 'arguments to run a training step on; return (fn, args, '
+                 'kwargs), e.g. (lambda v, x: yax.eval_mox(mox, v, x), '
+                 '(variables, x), {})')
+  if not args:
+    raise _Usage(f'--memory: the factory {label} gives fn no positional '
+                 'argument; the step differentiates with respect to the '
+                 'first one (the params)')
+  out_loss = _load_loss(loss_spec) if loss_spec else sum_of_squares
+
+  def loss(params, *rest):
+    return out_loss(fn(params, *rest, **kwargs))
+
+  try:
+    with progress(f'measuring what a training step of {label} keeps'):
+      return memory_report(loss, *args, xla=False)
+  except (click.ClickException, click.exceptions.Exit):
+    raise
+  except Exception as e:
+    raise _Failure(f'--memory on {label} failed: {_describe(e)}') from e
+
+
+memory_option = click.option(
+    '--memory', is_flag=True,
+    help='Add the bytes each module call keeps for the backward pass '
+    '(yax.memory_report, its own, submodules excluded) of the step '
+    'grad(loss(fn(*args, **kwargs))) with respect to args[0] (the params); '
+    'loss: the sum of squares of the floating outputs unless --loss.')
+loss_option = click.option(
+    '--loss', metavar='MODULE:FN', default=None,
+    help='With --memory (implies it): the loss, a function of the model\'s '
+    'outputs returning a scalar (module:fn or path/to/file.py:fn).')
 
 
 # --------------------------------------------------------------- output
@@ -328,15 +404,20 @@ def show(model, output):
 @click.option('--dtypes', is_flag=True,
               help='Add a column with the dtype each module call computes '
               'in (shown anyway where calls were cast or quantized).')
+@memory_option
+@loss_option
 @debug_option
-def summary(model, depth, xla_flops, width, dtypes):
+def summary(model, depth, xla_flops, width, dtypes, memory, loss):
   """Print a table of module calls: path, type, named inputs and outputs,
-  own variables, own and total parameters, FLOPs."""
+  own variables, own and total parameters, FLOPs (with --memory: the bytes
+  each keeps for the backward pass)."""
   from yax._src.report import summary as _summary
-  mox, label = trace_model(model)
+  loaded = load_model(model)
+  mox, label = _trace_loaded(*loaded)
+  report = memory_of(*loaded, loss) if memory or loss else None
   with progress('summarizing'):
     _summary.print_table(mox, depth=depth, title=label, xla=xla_flops,
-                         width=width, dtypes=dtypes)
+                         width=width, dtypes=dtypes, memory=report)
 
 
 def _export(name: str, what: str, *, indent: int | None, indent_help: str,
@@ -505,20 +586,25 @@ def query(xpath, model, count_only):
 @click.option('--no-compress', is_flag=True,
               help='Embed the data as plain JSON instead of gzip+base64 '
               '(bigger file; for browsers without DecompressionStream).')
+@memory_option
+@loss_option
 @debug_option
-def html(model, output, title, no_compress):
+def html(model, output, title, no_compress, memory, loss):
   """Write a self-contained interactive HTML viewer of the MoX.
 
   One file, no network access: a collapsible module tree, each node's
-  attributes and Jaxpr, and an XPath search box that runs in the browser.
+  attributes and Jaxpr, and an XPath search box that runs in the browser
+  (with --memory: the bytes each module call keeps for the backward pass).
   """
   from yax._src.report import html as _html
-  mox, label = trace_model(model)
+  loaded = load_model(model)
+  mox, label = _trace_loaded(*loaded)
+  report = memory_of(*loaded, loss) if memory or loss else None
   if output is None:
     output = default_html_name(label)
   with progress('rendering the viewer'):
     text = _html.render_html(mox, title=title or label,
-                             compress=not no_compress)
+                             compress=not no_compress, memory=report)
   with _Output(output) as f:
     f.write(text)
   if output not in (None, '-'):

@@ -91,10 +91,30 @@ def _bounded(text: str, limit: int | None) -> str:
           'for the whole text)')
 
 
+def _saved_per_node(nodes: list[Expr], memory) -> list[int | None]:
+  """The bytes each module call keeps for the backward pass: ``memory``'s
+  row for its path (``<Type>`` at the root path), on the first call at
+  that path (a report's row sums every call at its path); None
+  elsewhere."""
+  kept = memory.by_path()
+  seen, out = set(), []
+  for node in nodes:
+    path = None
+    if isinstance(node, Mox) and not node.is_ephemeral:
+      path = '/'.join(node.path) or f'<{node.type_name}>'
+    if path is None or path in seen or path not in kept:
+      out.append(None)
+      continue
+    seen.add(path)
+    out.append(kept[path])
+  return out
+
+
 def payload(mox: Expr, *, title: str = 'yax',
-            max_text: int | None = None) -> dict:
+            max_text: int | None = None, memory=None) -> dict:
   """The data the page embeds (see the module docstring); each node's
-  Jaxpr text is cut at ``max_text`` characters when given."""
+  Jaxpr text is cut at ``max_text`` characters when given; ``memory``: a
+  ``yax.memory_report`` whose per-call bytes are shown (``saved``)."""
   buf = io.StringIO()
   dump_xml(mox, buf, indent=None)
   nodes = _nodes(mox)
@@ -111,6 +131,12 @@ def payload(mox: Expr, *, title: str = 'yax',
     texts.append(_bounded(str(node), max_text))
   flops = _flops_per_node(nodes)
   n_params, n_bytes = _summary.total_params(mox)
+  extra = {}
+  if memory is not None:
+    extra = {'saved': _saved_per_node(nodes, memory),
+             'memory': {'saved': memory.total,
+                        'unattributed': memory.unattributed,
+                        'training': memory.training}}
   return {
       'format': 1,
       'title': title,
@@ -125,6 +151,7 @@ def payload(mox: Expr, *, title: str = 'yax',
           'module_calls': sum(1 for _ in _summary.module_calls(mox)),
           'equations': sum(1 for n in nodes if isinstance(n, Equation)),
       },
+      **extra,
   }
 
 
@@ -184,7 +211,7 @@ def _fill(template: str, values: dict[str, str]) -> str:
 
 
 def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True,
-                max_text: int | None = None) -> str:
+                max_text: int | None = None, memory=None) -> str:
   """Returns the viewer page for ``mox`` as a string (see the module doc).
 
   **Arguments:**
@@ -197,14 +224,19 @@ def render_html(mox: Expr, *, title: str = 'yax', compress: bool = True,
     many characters, with a note saying how much was left out. An
     enclosing call's text holds every text below it, so on a deep model
     these texts are most of the page; ``None`` keeps them whole.
+  - ``memory``: a ``yax.memory_report`` of a training step of this tree
+    (given the same loss and arguments): each module call's row shows
+    the bytes it keeps for the backward pass (the report's row for its
+    path, exclusive of its submodules), the status line the total.
 
   **Returns:** the page, one self-contained HTML document.
 
   Example::
 
       page = yax.render_html(mox, title='bert', max_text=4000)
+      page = yax.render_html(mox, memory=yax.memory_report(loss, p, x))
   """
-  data = payload(mox, title=title, max_text=max_text)
+  data = payload(mox, title=title, max_text=max_text, memory=memory)
   if compress:
     raw = json.dumps(data, separators=(',', ':')).encode()
     blob = base64.b64encode(gzip.compress(raw, 9, mtime=0)).decode('ascii')
@@ -260,7 +292,7 @@ def write_html(mox: Expr, path, **kwargs) -> int:
   - ``mox``: the tree.
   - ``path``: the file to write.
   - ``**kwargs``: :func:`render_html`'s (``title``, ``compress``,
-    ``max_text``).
+    ``max_text``, ``memory``).
 
   **Returns:** the number of bytes written.
 

@@ -27,7 +27,7 @@ from jax.extend import core as jex
 
 from yax._src.errors import EvaluationError, SubstitutionError
 from yax._src.ir import lower as _lower
-from yax._src.ir.nodes import Equation, Literal, Mox, Var
+from yax._src.ir.nodes import Equation, Literal, Mox, Var, iter_nodes
 from yax._src.rewrite.engine import (defined_in, describe, inline,
                                      leave_out_hint, non_literals,
                                      read_outside, read_symbols,
@@ -203,6 +203,16 @@ def _first_line(e: BaseException) -> str:
 def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   """A replacement for ``node``: the module traced again at ``dtype``.
   ``read_elsewhere``: the symbols the tree reads outside ``node``."""
+  lean = [n for n in iter_nodes(node)
+          if isinstance(n, Mox) and n.params.get('lean') == 'norm']
+  if lean:
+    # Its body is a custom_vjp at the traced dtype, not its class's code:
+    # neither re-tracing the class nor replaying the body keeps it lean.
+    raise _Refused(
+        f'it holds the lean_norm call(s) at '
+        f'{", ".join(repr("/".join(n.path)) for n in lean)} (lean="norm"), '
+        'which cast cannot run at another dtype; cast the plain tree first '
+        '(leaving its norms as they compute), then apply lean_norm')
   cls = node.rebuild_ty
   shown = set(node.outputs)
   updates_state = any(s in read_elsewhere and s not in shown

@@ -15,11 +15,13 @@ features.
 
 The forward pass computes the norm in float32 as Flax does (equal within
 float rounding, not bit for bit: Flax's fast variance is ``E[x^2] -
-E[x]^2``, used here too). A selected Linen call is substituted by a
-``LeanNorm`` module call at the same path reading the same ``scale`` and
-``bias`` variables. An NNX call (``nnx.LayerNorm``/``nnx.RMSNorm``) keeps
-its type, path, fields and variables; its body becomes the ``custom_vjp``
-and it gains the field ``lean="norm"``.
+E[x]^2``, used here too unless ``use_fast_variance=False``; Equinox's
+``jnp.var``). A selected call (``nn.LayerNorm``/``nn.RMSNorm``,
+``nnx.LayerNorm``/``nnx.RMSNorm``, ``eqx.nn.LayerNorm``/``eqx.nn.RMSNorm``
+of one feature axis, its ``weight`` as the scale) keeps its type, path,
+fields and variables, so queries written for the plain model still find
+it; its body becomes the ``custom_vjp`` and it gains the field
+``lean="norm"``.
 
 With ``activations=``, element-wise activations keep one tensor too.
 JAX's autodiff of an activation keeps what its derivative's formula reads:
@@ -36,6 +38,7 @@ codes where fewbit chose and one tensor everywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -54,26 +57,30 @@ from yax._src.views.query import query
 DEFAULT = '//module_call[@type="LayerNorm" or @type="RMSNorm"]'
 
 
-def _stats(x, rms: bool, eps: float):
+def _stats(x, rms: bool, eps: float, fast: bool):
   x32 = x.astype(jnp.float32)
   if rms:
     mean = jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-  else:
+  elif fast:  # Flax's default: E[x^2] - E[x]^2
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.maximum(
         jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean),
         0.0)
+  else:  # E[(x - E[x])^2], as jnp.var (Equinox; Flax's
+    mean = jnp.mean(x32, axis=-1, keepdims=True)  # use_fast_variance=False)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
   return mean, jax.lax.rsqrt(var + eps)
 
 
 @functools.lru_cache(maxsize=None)
-def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool):
+def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool,
+                  fast: bool = True):
   """``f(x, scale, bias)`` (absent ones passed as None) with the lean
-  backward pass."""
+  backward pass; ``fast``: the variance as ``E[x^2] - E[x]^2``."""
 
   def forward(x, scale, bias):
-    mean, rstd = _stats(x, rms, eps)
+    mean, rstd = _stats(x, rms, eps, fast)
     y = (x.astype(jnp.float32) - mean) * rstd
     if use_scale:
       y = y * scale.astype(jnp.float32)
@@ -111,56 +118,52 @@ def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool):
   return f
 
 
-class LeanNorm(nn.Module):
-  """A LayerNorm (``rms=False``) or RMSNorm over the last axis whose
-  backward pass keeps its input and per-row statistics."""
-  rms: bool = False
-  epsilon: float = 1e-6
-  use_scale: bool = True
-  use_bias: bool = True
-  param_dtype: object = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    features = (x.shape[-1],)
-    scale = self.param('scale', nn.initializers.ones, features,
-                       self.param_dtype) if self.use_scale else None
-    bias = self.param('bias', nn.initializers.zeros, features,
-                      self.param_dtype) if self.use_bias else None
-    return lean_function(self.rms, float(self.epsilon), self.use_scale,
-                         self.use_bias)(x, scale, bias)
+def _kind(cls) -> tuple[str, bool] | None:
+  """``(system, rms)`` of a norm class lean_norm rewrites: ``'flax'``
+  (Linen and NNX) or ``'equinox'``, and whether it is an RMSNorm; None
+  for any other class. Each call keeps its type, path, fields and
+  variables; only its body changes."""
+  kind = _systems.norm_kind(cls)
+  if kind is not None:
+    return 'flax', kind == 'rms'
+  kind = _systems.equinox_norm_kind(cls)
+  if kind is not None:
+    return 'equinox', kind == 'rms'
+  return None
 
 
-def _is_rms(node: Mox) -> bool:
-  return _systems.norm_kind(node.module_ty) == 'rms'
-
-
-def _keeps_call(node: Mox) -> bool:
-  """An NNX norm keeps its call (type, path, variables); only the body
-  changes. A Linen one becomes a ``LeanNorm`` call."""
-  return not _systems.is_rebuilt_module(node.module_ty)
+@dataclasses.dataclass(frozen=True)
+class _Norm:
+  """What the lean body of one norm call needs: ``f(x, scale, bias)`` of
+  :func:`lean_function` with these settings, its ``scale`` and ``bias``
+  read from the variables named so."""
+  rms: bool
+  eps: float
+  use_scale: bool
+  use_bias: bool
+  fast: bool
+  scale_name: str
 
 
 def _last_axis(value) -> bool:
   return value in (-1, (-1,), [-1])
 
 
-def _why_not(node) -> str | None:
-  if not isinstance(node, Mox) or _systems.norm_kind(
-      node.module_ty) is None:
-    return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
-            '(lean_norm rewrites those)')
+def _norm(node) -> _Norm | str:
+  """The settings of a norm call lean_norm can rewrite, or why it cannot."""
+  kind = _kind(node.module_ty) if isinstance(node, Mox) else None
+  if kind is None:
+    return ('it is not a flax.linen, flax.nnx or Equinox LayerNorm or '
+            'RMSNorm call (lean_norm rewrites those)')
+  system, rms = kind
   if node.rewritten:
     return ('another rewrite changed its variables (rewritten="true"); '
             'lean_norm reads a norm\'s own scale and bias')
   p = node.params
-  if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
-      p.get('feature_axes', -1)):
-    return (f'it normalises over reduction_axes={p.get("reduction_axes")!r} '
-            f'with feature_axes={p.get("feature_axes")!r}; lean_norm supports '
-            'the last axis for both')
-  if p.get('axis_name') is not None or p.get('axis_index_groups') is not None:
-    return 'it reduces across devices (axis_name); lean_norm does not'
+  if 'compute_dtype' in p:
+    return (f'yax.cast made it compute in {p["compute_dtype"]}; lean_norm '
+            'computes in float32 and would drop that (leave norms out of '
+            'the cast)')
   if len(node.arg_inputs) != 1:
     return f'it takes {len(node.arg_inputs)} arguments, expected one'
   x = node.arg_inputs[0]
@@ -169,48 +172,78 @@ def _why_not(node) -> str | None:
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
-  if _keeps_call(node):
-    names = _nnx_names(node)
-    wanted = {'scale'} if p.get('use_scale', True) else set()
-    if p.get('use_bias', True) and not _is_rms(node):
-      wanted.add('bias')
-    if names is None or set(names) != wanted:
-      return (f'it reads the variables {names!r}, expected '
-              f'{sorted(wanted)!r} (its own scale/bias)')
-  return None
+  if system == 'flax':
+    if not _last_axis(p.get('reduction_axes', -1)) or not _last_axis(
+        p.get('feature_axes', -1)):
+      return (f'it normalises over reduction_axes='
+              f'{p.get("reduction_axes")!r} with feature_axes='
+              f'{p.get("feature_axes")!r}; lean_norm supports the last axis '
+              'for both')
+    if p.get('axis_name') is not None or \
+        p.get('axis_index_groups') is not None:
+      return 'it reduces across devices (axis_name); lean_norm does not'
+    norm = _Norm(rms, float(p.get('epsilon', 1e-6)),
+                 p.get('use_scale', True), p.get('use_bias', True) and not rms,
+                 p.get('use_fast_variance', True), 'scale')
+  else:  # Equinox: the whole (per-example) shape is normalised
+    shape = tuple(p.get('shape', ()))
+    if len(shape) != 1 or tuple(x.aval.shape[-1:]) != shape:
+      return (f'it normalises over shape={shape!r} for an input '
+              f'{x.aval.str_short()}; lean_norm supports one feature axis, '
+              'the last')
+    norm = _Norm(rms, float(p['eps']), p.get('use_weight', True),
+                 p.get('use_bias', True), False, 'weight')
+  names = _variable_names(node)
+  wanted = {norm.scale_name} if norm.use_scale else set()
+  if norm.use_bias:
+    wanted.add('bias')
+  if names is None or set(names) != wanted:
+    return (f'it reads the variables {names!r}, expected '
+            f'{sorted(wanted)!r} (its own scale/bias)')
+  features = x.aval.shape[-1]
+  odd = [n for n, s in zip(names, node.var_inputs)
+         if tuple(s.aval.shape) != (features,)]
+  if odd:
+    return (f'its variables {odd!r} are not of shape ({features},) (a '
+            'stack of norms under a transform); lean_norm reads one scale '
+            'and bias')
+  return norm
 
 
-def _nnx_names(node: Mox) -> list | None:
-  """The name of each variable input of an NNX call, in input order, or
-  None when they are not top-level names."""
+def _variable_names(node: Mox) -> list | None:
+  """The name of each variable input of a norm call, in input order (an
+  NNX or Equinox call's top-level names; a Linen call's names in
+  ``params``), or None when they are not laid out so."""
   names = []
   for path, _ in jtu.tree_flatten_with_path(
       jtu.tree_unflatten(node.var_tree, list(range(node.num_vars))))[0]:
-    if len(path) != 1:
+    keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+    if len(keys) == 2 and keys[0] == 'params':  # Linen: {'params': {...}}
+      keys = keys[1:]
+    if len(keys) != 1:
       return None
-    key = path[0]
-    names.append(getattr(key, 'key', getattr(key, 'name', None)))
+    names.append(keys[0])
   return names
 
 
-def _nnx_replacement(node: Mox) -> Mox:
-  """The NNX call with its body replaced by the lean ``custom_vjp``: same
-  inputs (variables, then ``x``), outputs, type, path and fields."""
-  p = node.params
-  rms = _is_rms(node)
-  use_scale = p.get('use_scale', True)
-  use_bias = p.get('use_bias', True) and not rms
-  fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
-  names = _nnx_names(node)
+def _lean_call(node: Mox) -> Mox:
+  """The norm call with its body replaced by the lean ``custom_vjp``: same
+  inputs (variables, then ``x``), outputs, type, path and fields, plus the
+  field ``lean="norm"``."""
+  norm = _norm(node)
+  fn = lean_function(norm.rms, norm.eps, norm.use_scale, norm.use_bias,
+                     norm.fast)
+  names = _variable_names(node)
 
   def run(values):
     own = dict(zip(names, values[:node.num_vars]))
-    return fn(values[node.num_vars], own.get('scale'), own.get('bias'))
+    return fn(values[node.num_vars], own.get(norm.scale_name),
+              own.get('bias'))
 
   root = make_mox(run)([jax.ShapeDtypeStruct(tuple(s.aval.shape),
                                              s.aval.dtype)
                         for s in node.inputs])
-  call = Mox(root.inputs, root.outputs, {**p, 'lean': 'norm'},
+  call = Mox(root.inputs, root.outputs, {**node.params, 'lean': 'norm'},
              children=root.children, module_ty=node.module_ty,
              entrypoint=node.entrypoint, path=node.path,
              in_tree=node.in_tree, out_tree=node.out_tree,
@@ -315,20 +348,20 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath or node list of ``flax.linen`` or ``flax.nnx``
-    ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every one.
+  - ``selection``: XPath or node list of ``flax.linen``, ``flax.nnx`` or
+    Equinox ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every
+    one.
 
-  **Returns:** the new tree: each selected Linen call is a ``LeanNorm``
-  call at the same path, reading the same ``scale``/``bias``; each NNX
-  call keeps its type, path and variables and gains ``lean="norm"``;
+  **Returns:** the new tree: each selected call keeps its type, path,
+  fields and variables (``scale``/``bias``) and gains ``lean="norm"``;
   each activation found is a ``LeanActivation`` call (attribute ``name``:
   the activation). Outputs equal the original's within float rounding
   (activations: bit for bit), gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
-  rewrite (not a Linen LayerNorm/RMSNorm, another axis, a cross-device
-  norm, a ``dtype`` that changes the output's), ending with an XPath that
-  leaves them out.
+  rewrite (not one of those classes, another axis, a cross-device norm,
+  a ``dtype`` that changes the output's, a norm ``yax.cast`` changed),
+  ending with an XPath that leaves them out.
 
   Example::
 
@@ -348,7 +381,7 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
     return _lean_activations(mox, activations)
   chosen = select(DEFAULT if selection is None else selection, mox)
   problems = [(n, why) for n in chosen.targets
-              if (why := _why_not(n)) is not None]
+              if isinstance(why := _norm(n), str)]
   if problems:
     lines = '\n'.join(f'  - {describe(n)}: {why}' for n, why in problems)
     hint = leave_out_hint([(n, False) for n, _ in problems],
@@ -359,24 +392,7 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
         f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
         f'{lines}\n{hint}')
 
-  def replace(path, node):
-    del path
-    if _keeps_call(node):
-      return _nnx_replacement(node)
-    p = node.params
-    x = node.arg_inputs[0]
-    module = LeanNorm(rms=_is_rms(node),
-                      epsilon=p.get('epsilon', 1e-6),
-                      use_scale=p.get('use_scale', True),
-                      use_bias=p.get('use_bias', True) and
-                      not _is_rms(node),
-                      param_dtype=p.get('param_dtype', jnp.float32),
-                      name=node.path[-1] if node.path else None)
-    spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)
-    variables = jax.eval_shape(module.init, jax.random.key(0), spec)
-    return make_mox(module.apply)(variables, spec)
-
-  new = substitute(chosen, replace, mox).mox
+  new = substitute(chosen, lambda path, node: _lean_call(node), mox).mox
   if activations is False:
     return new
   return _lean_activations(new, activations)

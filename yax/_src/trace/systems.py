@@ -232,6 +232,19 @@ def new_module_variables(cls, attributes: dict, key, example, method: str,
   return None
 
 
+def equinox_norm_kind(cls) -> str | None:
+  """``'layer'`` for Equinox's ``eqx.nn.LayerNorm``, ``'rms'`` for its
+  ``eqx.nn.RMSNorm``, else None (also without Equinox). Their fields and
+  variables are Equinox's (``eps``, ``shape``, ``weight``), not Flax's.
+
+  Example: ``equinox_norm_kind(eqx.nn.RMSNorm) == 'rms'``.
+  """
+  if _eqx.eqx is None:
+    return None
+  return {_eqx.eqx.nn.LayerNorm: 'layer',
+          _eqx.eqx.nn.RMSNorm: 'rms'}.get(cls)
+
+
 def variable_kinds(node) -> list[str] | None:
   """The kind of each of a module call's variable inputs (``Param``,
   ``BatchStat``, ``RngCount`` ...) when they are typed (NNX, Equinox),

@@ -4,6 +4,15 @@ const $ = (id) => document.getElementById(id);
 const SYMBOL = new Set(['input', 'output']);
 const MAX_LIST = 500;
 const fmt = (n) => Number(n).toLocaleString('en-US');
+// Bytes as the summary writes them (human_bytes): decimal units, 83.9 KB.
+function fmtBytes(n) {
+  const units = ['B', 'KB', 'MB', 'GB'];
+  let v = Number(n), u = 0;
+  while (v >= 1000 && u < units.length - 1) { v /= 1000; u++; }
+  return u === 0 ? v.toFixed(0) + ' B' : v.toFixed(1) + ' ' + units[u];
+}
+// Bytes a module call keeps for the backward pass (a memory report given).
+const savedOf = (i) => (D.saved ? D.saved[i] : null);
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
@@ -103,6 +112,7 @@ function makeRow(i, depth) {
   const outs = outTypes(i);
   if (outs.length) r.append(el('span', 'sh', '\u2192 ' + shapes(outs, 3)));
   if (D.params[i]) r.append(el('span', 'pc', fmt(D.params[i]) + ' params'));
+  if (savedOf(i)) r.append(el('span', 'sv', fmtBytes(savedOf(i)) + ' saved'));
   if (lb.path && lb.path !== lb.nm) r.append(el('span', 'dim', lb.path));
   if (lb.path) r.title = lb.path;
   if (depth >= DEEP) r.prepend(el('span', 'depth', 'L' + depth));
@@ -315,6 +325,7 @@ function showDetails(i) {
   const facts = [];
   if (D.params[i]) facts.push(fmt(D.params[i]) + ' params');
   if (D.flops[i]) facts.push(fmt(D.flops[i]) + ' FLOPs');
+  if (savedOf(i) !== null) facts.push(fmt(savedOf(i)) + ' bytes saved for the backward pass (its own)');
   facts.push(isMox(i) ? 'module_call' : 'equation');
   const xp = xpathOf(i);
   if (xp) facts.push(xp);
@@ -568,7 +579,9 @@ async function main() {
   renderTree();
   const t = D.totals;
   $('status').textContent = fmt(t.module_calls) + ' module calls \u00b7 ' + fmt(t.equations) +
-    ' equations \u00b7 ' + fmt(t.params) + ' params \u00b7 yax ' + D.version;
+    ' equations \u00b7 ' + fmt(t.params) + ' params' +
+    (D.memory ? ' \u00b7 ' + fmtBytes(D.memory.saved) + ' saved for the backward pass, training ' +
+     fmtBytes(D.memory.training) : '') + ' \u00b7 yax ' + D.version;
   $('details').replaceChildren(el('p', 'hint',
     'Click a node to see its attributes, its Jaxpr and where its data comes from (green ' +
     'bar) and goes to (orange bar). Keys: arrows move, Enter expands, / searches. ' +
