@@ -139,6 +139,12 @@ def test_cast_output_under_vmap_and_inside_jit_bodies():
       want = low_model.apply(variables, x)
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got, want)
+    # The stacked Dense cannot be traced again alone (its variables are
+    # stacked): its body was replayed, and the call says why.
+    (dense,) = yax.query(xpath, low)
+    replayed = dense.params.get('cast_replayed', '')
+    assert ('tracing Dense again at bfloat16 raised' in replayed) == (
+        low_model is None), replayed
   model = NNXJitHead(nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   run = lambda s, x: nnx.merge(graphdef, s)(x)

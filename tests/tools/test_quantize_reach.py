@@ -218,3 +218,67 @@ def test_kernels_of_submodules_contracted_by_the_parent_are_refused_by_name():
       assert f'{select} at path' in message and why in message, message
       assert [n.path for n in yax.query(message.splitlines()[-1].strip(),
                                         mox)] == [('head',)]
+
+
+# ------------------------------------------- experts inside a shard_map
+
+def _one_device_shard_map(body, n_in: int):
+  """``jax.shard_map`` of ``body`` over a 1-device mesh, every value
+  replicated (EasyDeL Mixtral's grouped matmul, on one host)."""
+  mesh = jax.make_mesh((1,), ('x',))
+  spec = jax.sharding.PartitionSpec()
+  return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_in,
+                       out_specs=spec)
+
+
+class ShardedExperts(nn.Module):
+  """Experts ``[experts, in, out]`` contracted inside a ``shard_map`` body
+  that calls no module."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('kernel', nn.initializers.normal(1.0), (3, 4, 5))
+    experts = _one_device_shard_map(
+        lambda x, w: jnp.einsum('bi,eio->beo', x, w), 2)
+    return experts(x, w)
+
+
+class ShardedTop(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name='head')(ShardedExperts(name='moe')(x))
+
+
+def test_quantize_and_lora_reach_experts_inside_a_shard_map_body():
+  # Before: both refused, "its kernel is read by shard_map, not only by a
+  # contraction": the kernel plan did not enter the shard_map body.
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  model = ShardedTop()
+  variables = model.init(jax.random.key(1), x)
+  mox = yax.make_mox(model.apply)(variables, x)
+  moe = '//module_call[@type="ShardedExperts"]'
+  w = variables['params']['moe']['kernel']
+  head = variables['params']['head']
+
+  def by_hand(kernel, extra=0.0):
+    h = jnp.einsum('bi,eio->beo', x, kernel) + extra
+    return h @ head['kernel'] + head['bias']
+
+  q = yax.quantize(mox, variables, moe, weight='int8')
+  yax.check_mox(q.mox)
+  stored = q.params['params']['moe']
+  assert stored['kernel'].dtype == jnp.int8
+  assert stored['kernel_scale'].shape == (3, 1, 5)
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x),
+                             by_hand(jnp.asarray(int8_per_slice(w))), **TOL)
+  res = yax.lora(mox, variables, moe, rank=2, alpha=4.0)
+  yax.check_mox(res.mox)
+  p = jax.tree.map(lambda v: v, res.params)
+  m = p['params']['moe']
+  assert m['lora_a'].shape == (4, 2) and m['lora_b'].shape == (2, 3, 5)
+  m['lora_a'] = jax.random.normal(jax.random.key(7), (4, 2))
+  m['lora_b'] = jax.random.normal(jax.random.key(8), (2, 3, 5))
+  delta = 2.0 * jnp.einsum('bi,ir,reo->beo', x, m['lora_a'], m['lora_b'])
+  np.testing.assert_allclose(yax.eval_mox(res.mox, p, x), by_hand(w, delta),
+                             **TOL)
