@@ -229,7 +229,8 @@ class _Flattener:
                              self._defined(outputs)))
       return
     for inner, outer in zip(jaxpr.invars, inputs, strict=True):
-      if not isinstance(outer, Literal):
+      # (A raw body's own equations pass JAX literals to inner calls.)
+      if not isinstance(outer, (Literal, jex.Literal)):
         self.alias[inner] = self.canon(outer)
     self.inlined += 1
     for eqn in jaxpr.eqns:
@@ -682,6 +683,8 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
     return (f'it contracts kernels that fit ({done}) and kernels that do '
             f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
             'and not others is refused')
+  if not plans and left:  # why in place does not fit either
+    return f"{one}; nor in place: {'; '.join(left)}"
   return plans or one
 
 
