@@ -143,7 +143,7 @@ def test_cast_output_under_vmap_and_inside_jit_bodies():
     # stacked): its body was replayed, and the call says why.
     (dense,) = yax.query(xpath, low)
     replayed = dense.params.get('cast_replayed', '')
-    assert ('tracing Dense again at bfloat16 raised' in replayed) == (
+    assert ('tracing it again at bfloat16 raised' in replayed) == (
         low_model is None), replayed
   model = NNXJitHead(nnx.Rngs(0))
   graphdef, state = nnx.split(model)

@@ -635,7 +635,8 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
       names = ', '.join('/'.join(keys[i]) for i in held)
       return (f'the kernels it contracts ({names}) are variables of its '
               'submodules, not its own (a submodule that returns its '
-              'weight, as gemma 4 MoERagged reads its experts); a kernel '
+              'weight, as gemma 4 MoERagged reads its experts, or one it '
+              'never calls, as EasyDeL Mixtral\'s experts); a kernel '
               'rewrite needs the module that holds a kernel to contract '
               'it, which YAX does not rewrite across module calls')
     return ('it has no parameter of 2 or more axes that reaches a '

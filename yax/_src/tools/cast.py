@@ -262,7 +262,7 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
     # holds its variables and inputs stacked, which the module's own code
     # does not take. Its traced (batched) body is run again instead, and
     # the new call says so (``cast_replayed``: why it was not re-traced).
-    retraced = (f'tracing {cls.__name__} again at {dtype.name} raised '
+    retraced = (f'tracing it again at {dtype.name} raised '
                 f'{_first_line(e)}')
     try:
       return _replayed(node, dtype, output, read_elsewhere, why=retraced)
