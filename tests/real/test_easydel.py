@@ -656,7 +656,11 @@ def test_quantize_int8_the_attention_and_mlp_linears(lm):
   if lm.family == 'mixtral':
     # Only the router is a linear module call; the experts' kernels, read
     # by the MoE block inside the shard_map of its grouped matmul, stay
-    # float, and selecting the block itself is refused by name.
+    # float, and selecting the block itself is refused with the true
+    # reason: the kernel plan looks through the shard_map body (one
+    # device) and finds the experts' kernels, which are variables of a
+    # submodule the block never calls (before: "it has no parameter of 2
+    # or more axes that reaches a dot_general").
     for i in range(lm.config.num_hidden_layers):
       experts = _node(q.params, ('model', 'layers', str(i),
                                  'block_sparse_moe', 'experts'))
@@ -668,9 +672,9 @@ def test_quantize_int8_the_attention_and_mlp_linears(lm):
     assert 'cannot quantize 2 of the 2 module calls' in message
     for i in range(lm.config.num_hidden_layers):
       assert (f"module_call MixtralSparseMoeBlock at path 'model/layers/{i}/"
-              "block_sparse_moe': it has no parameter of 2 or more axes "
-              'that reaches a dot_general or convolution (a kernel)'
-              in message), message
+              "block_sparse_moe': the kernels it contracts (nnx/experts/w1/"
+              'kernel, nnx/experts/w2/kernel, nnx/experts/w3/kernel) are '
+              'variables of its submodules' in message), message
 
 
 def test_cast_the_attention_and_mlp_linears_to_bfloat16(lm):

@@ -610,3 +610,36 @@ def test_a_linen_submodule_never_called_sits_in_its_parent_row():
       'aux/bias: f32[4] (unread)', 'aux/kernel: f32[4,4] (unread)'}
   assert rows['block/main'].params == _n_leaves(params['block']['main'])
   assert rows[''].unread_params == rows['head'].unread_params == 0
+
+
+class _CheckedLeaf:
+  """A pytree container that takes only arrays as its leaf (its unflatten
+  checks), as some libraries' parameter containers do."""
+
+  def __init__(self, w):
+    if not isinstance(w, (jax.Array, np.ndarray)):
+      raise TypeError(f'a _CheckedLeaf holds an array, not {type(w).__name__}')
+    self.w = w
+
+
+jax.tree_util.register_pytree_node(
+    _CheckedLeaf, lambda c: ((c.w,), None), lambda _, xs: _CheckedLeaf(*xs))
+
+
+def test_a_variable_tree_that_cannot_be_rebuilt_is_refused_by_name():
+  # Before: the call's variables became one group named 'variables'
+  # (not 'params'), so its parameters were silently left out of the
+  # parameter counts.
+  x = jnp.ones((1, 3))
+  variables = nn.Dense(2).init(jax.random.key(0), x)
+  mox = yax.make_mox(nn.Dense(2).apply)(variables, x)
+  (dense,) = yax.query('//module_call[@type="Dense"]', mox)
+  assert set(_summary.variable_groups(dense)) == {'params'}
+  odd = dense.replace(var_tree=jax.tree.structure(
+      {'params': {'bias': _CheckedLeaf(np.zeros(2)),
+                  'kernel': np.zeros((3, 2))}}))
+  with pytest.raises(yax.YaxError) as info:
+    _summary.variable_groups(odd)
+  message = str(info.value)
+  assert "Dense call at '<root>'" in message, message
+  assert 'a _CheckedLeaf holds an array' in message, message

@@ -981,3 +981,25 @@ def test_group_path_is_fresh_next_to_a_picky_argument():
              if isinstance(n, yax.Mox) and n.name == 'gelu']
   assert node.path == ('gelu_1',)
   np.testing.assert_allclose(yax.eval_mox(g, *args), f(*args), rtol=1e-6)
+
+
+def test_a_pattern_that_cannot_be_traced_at_a_dtype_says_so():
+  # Before: the failed bfloat16 probe was dropped without a word, and
+  # explain_match gave the float32 trace's first difference instead
+  # ("primitive differs (pattern tanh, tree convert_element_type)").
+  def no_half(x):
+    if x.dtype == jnp.bfloat16:
+      raise TypeError('no bfloat16 form')
+    return jnp.tanh(x.astype(jnp.float32)).astype(x.dtype) * 2.0
+
+  model = lambda x: jnp.tanh(x.astype(jnp.float32)).astype(x.dtype) * 2.0
+  x = jnp.ones((2, 3), jnp.bfloat16)
+  mox = yax.make_mox(model)(x)
+  assert yax.match(no_half, mox) == []
+  why = yax.explain_match(no_half, mox, yax.query('//mul', mox)[0])
+  assert why.startswith('no match'), why
+  assert 'cannot be traced with bfloat16 inputs' in why, why
+  assert 'TypeError: no bfloat16 form' in why, why
+  # The same model in float16 matches: the reason is the dtype alone.
+  f16 = yax.make_mox(model)(x.astype(jnp.float16))
+  assert len(yax.match(no_half, f16)) == 1

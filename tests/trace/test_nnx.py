@@ -1043,3 +1043,22 @@ def test_variables_passed_back_out_of_an_nnx_jit_method_stay_params():
   assert len(res.paths) == 2
   np.testing.assert_allclose(yax.eval_mox(res.mox, res.params, x), model(x),
                              rtol=1e-6)
+  # quantize: Linear 'a' (inside the jit) against the NNX model given the
+  # same rounded kernel by hand (int8, symmetric absmax per output column).
+  # Linear 'b''s kernel also passes through the jit of 'first', which
+  # would go on reading it float: refused, naming that call. Before: a
+  # tree that failed check_mox ("reads input ... before it is defined")
+  # and eval_mox.
+  q = yax.quantize(mox, state, '//module_call[@path="a"]')
+  yax.check_mox(q.mox)
+  rounded = _JitMethodNet(nnx.Rngs(0))
+  w = np.asarray(rounded.a.kernel[...])
+  scale = np.abs(w).max(0, keepdims=True) / 127
+  rounded.a.kernel[...] = jnp.asarray(
+      np.clip(np.round(w / scale), -127, 127) * scale)
+  np.testing.assert_allclose(yax.eval_mox(q.mox, q.params, x), rounded(x),
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(yax.SubstitutionError) as info:
+    yax.quantize(mox, state, '//module_call[@type="Linear"]')
+  assert ("Linear at path 'b' is also a variable input of module_call "
+          "_JitMethodNet at path '<root>' (method first)") in str(info.value)

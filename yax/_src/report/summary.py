@@ -95,8 +95,18 @@ def _var_tree(mox: Mox):
     return None
   try:
     tree = jax.tree_util.tree_unflatten(mox.var_tree, mox.var_inputs)
-  except Exception:  # noqa: BLE001 - a rewritten node with an odd var_tree
-    return None
+  except Exception as e:  # noqa: BLE001 - re-raised as a YaxError
+    # A container whose own unflatten checks its leaves (it does not take
+    # the tree's symbols): the collections are unknown, so every count
+    # would be a guess.
+    where = '/'.join(mox.path) or '<root>'
+    raise YaxError(
+        f'the summary groups the variables of the {mox.type_name} call at '
+        f"'{where}' by collection, but rebuilding its variable tree "
+        f'{mox.var_tree} from its {mox.num_vars} variable inputs raised '
+        f'{type(e).__name__}: {e}') from e
+  # Not a mapping of collections (no collection names): one group, named
+  # 'variables' (see ``variable_groups``).
   return tree if isinstance(tree, dict) or hasattr(tree, 'items') else None
 
 

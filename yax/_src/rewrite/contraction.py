@@ -91,6 +91,13 @@ _KERNEL_ELEMENTWISE = ('mul', 'div', 'add', 'sub', 'neg', 'select_n', 'lt',
 _CALLS = ('pjit', 'jit', 'closed_call', 'core_call', 'remat', 'checkpoint',
           'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr')
 _RAW_BODY_KEYS = ('jaxpr', 'call_jaxpr', 'fun_jaxpr')
+# A ``shard_map`` runs its body once per device on each input's shard. Its
+# body is looked through (as a call's) where every shard is the whole
+# value (a 1-device mesh, or inputs and outputs all replicated): the body
+# then computes on the call's own values (EasyDeL Mixtral's experts, on
+# one host). Elsewhere its equation is left whole, and a kernel it reads
+# is refused naming it.
+_SHARDED = 'shard_map'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +151,8 @@ class _Flat:
   # It sits in the body of another module call inside the node (a
   # submodule that was passed the kernel).
   nested: bool = False
+  # The primitive whose raw body holds it (``shard_map``, ``pjit``), if any.
+  within: str | None = None
 
 
 class _Flattener:
@@ -202,33 +211,39 @@ class _Flattener:
         for outer, inner in zip(child.outputs, body.outputs, strict=True):
           if not isinstance(inner, Literal) and outer is not inner:
             self.alias[outer] = self.canon(inner)
-      elif child.prim.name in _CALLS and not child.children and \
-          _raw_body(child.params) is not None:
-        self.raw(_raw_body(child.params), child.inputs, child.outputs)
+      elif (child.prim.name in _CALLS or _whole_shards(child.prim.name,
+                                                       child.params)) and \
+          not child.children and _raw_body(child.params) is not None:
+        self.raw(_raw_body(child.params), child.inputs, child.outputs,
+                 child.prim.name)
       else:
         self.eqns.append(_Flat(child.prim, dict(child.params),
                                [self._input(s) for s in child.inputs],
                                self._defined(child.outputs), child,
                                self.depth > 0))
 
-  def raw(self, jaxpr, inputs, outputs):
+  def raw(self, jaxpr, inputs, outputs, within: str):
     jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
     if len(jaxpr.invars) != len(inputs):
       self.eqns.append(_Flat(None, {}, [self._input(s) for s in inputs],
                              self._defined(outputs)))
       return
     for inner, outer in zip(jaxpr.invars, inputs, strict=True):
-      if not isinstance(outer, Literal):
+      # (A raw body's own equations pass JAX literals to inner calls.)
+      if not isinstance(outer, (Literal, jex.Literal)):
         self.alias[inner] = self.canon(outer)
     self.inlined += 1
     for eqn in jaxpr.eqns:
       body = _raw_body(eqn.params)
-      if eqn.primitive.name in _CALLS and body is not None:
-        self.raw(body, eqn.invars, eqn.outvars)
+      name = eqn.primitive.name
+      if (name in _CALLS or _whole_shards(name, eqn.params)) and \
+          body is not None:
+        self.raw(body, eqn.invars, eqn.outvars,
+                 name if name == _SHARDED else within)
       else:
         self.eqns.append(_Flat(eqn.primitive, dict(eqn.params),
                                [self._input(s) for s in eqn.invars],
-                               self._defined(eqn.outvars)))
+                               self._defined(eqn.outvars), within=within))
     self.inlined -= 1
     for outer, inner in zip(outputs, jaxpr.outvars, strict=True):
       if not isinstance(inner, jex.Literal):
@@ -241,6 +256,21 @@ def _raw_body(params):
     if value is not None and hasattr(getattr(value, 'jaxpr', value), 'eqns'):
       return value
   return None
+
+
+def _whole_shards(name: str, params: dict) -> bool:
+  """Whether ``name`` is a ``shard_map`` whose body sees each of its
+  inputs and outputs whole: a mesh of one device, or every in and out
+  spec replicating its value (no mesh axis named). Its body then computes
+  what it would outside the ``shard_map``, and is looked through."""
+  if name != _SHARDED:
+    return False
+  mesh = params.get('mesh')
+  if mesh is not None and math.prod(dict(mesh.shape).values()) == 1:
+    return True
+  specs = [*params.get('in_specs', ()), *params.get('out_specs', ())]
+  return bool(specs) and all(
+      all(axis is None for axis in spec) for spec in specs)
 
 
 def _step(eqn: _Flat, position: int) -> Step:
@@ -307,6 +337,10 @@ def _kernel_use(flat: _Flattener, node: Mox, kernel_index: int):
         return (f'its kernel is read by {name}, which changes its shape '
                 'before a contraction')
       scaled = True
+    elif name == _SHARDED:
+      return ('its kernel is read by a shard_map that splits values over '
+              'the devices of its mesh (in_specs/out_specs name mesh axes), '
+              'whose body, run on shards, is not looked through')
     else:
       return f'its kernel is read by {name}, not only by a contraction'
   outputs = {flat.canon(s) for s in node.outputs if not isinstance(s, Literal)}
@@ -431,8 +465,10 @@ def find_site(node: Mox, kernel_index: int):
     return used
   eqn, side, derived, scaled = used
   if eqn.origin is None:
-    return (f'its {eqn.prim.name} sits in a call body held as a raw jaxpr, '
-            'which a rewrite cannot reach')
+    where = (f'the body of a {eqn.within}' if eqn.within is not None
+             else 'a call body held as a raw jaxpr')
+    return (f'its {eqn.prim.name} sits in {where}, which a rewrite in place '
+            'cannot reach')
   if eqn.nested:
     return (f'its {eqn.prim.name} sits in the body of another module call '
             'that the module passes its kernel to')
@@ -599,7 +635,8 @@ def kernel_plan(node: Mox, rank: int = 1) -> KernelPlan | str:
       names = ', '.join('/'.join(keys[i]) for i in held)
       return (f'the kernels it contracts ({names}) are variables of its '
               'submodules, not its own (a submodule that returns its '
-              'weight, as gemma 4 MoERagged reads its experts); a kernel '
+              'weight, as gemma 4 MoERagged reads its experts, or one it '
+              'never calls, as EasyDeL Mixtral\'s experts); a kernel '
               'rewrite needs the module that holds a kernel to contract '
               'it, which YAX does not rewrite across module calls')
     return ('it has no parameter of 2 or more axes that reaches a '
@@ -647,6 +684,8 @@ def kernel_plans(node: Mox, rank: int = 1) -> list[KernelPlan] | str:
     return (f'it contracts kernels that fit ({done}) and kernels that do '
             f"not: {'; '.join(left)}; a rewrite of some kernels of a call "
             'and not others is refused')
+  if not plans and left:  # why in place does not fit either
+    return f"{one}; nor in place: {'; '.join(left)}"
   return plans or one
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -346,6 +347,8 @@ class _Pattern:
     except TypeError:  # not weakly referenceable
       self.cache = {}
     self._dtype_probes: dict[str, _Trace | None] = {}
+    # dtype name -> why the pattern cannot be traced with inputs of it.
+    self.dtype_failures: dict[str, str] = {}
     self.probe_shape = None
     self.arity = _positional_arity(pattern)
     if self.arity is None:
@@ -417,8 +420,15 @@ class _Pattern:
         warnings.simplefilter('ignore')
         trace = self.at([jax.ShapeDtypeStruct(self.probe_shape, dtype)]
                         * self.arity)
-    except Exception:  # noqa: BLE001 - the pattern does not apply to dtype
+    except Exception as e:  # noqa: BLE001 - kept as the reason, see below
+      # Named case: a pattern that cannot be traced with inputs of
+      # ``dtype`` at the probe shape, where it was traced at float32 (a
+      # softmax at int32: its -inf literal; a key dtype), has no
+      # occurrence whose inputs are of that dtype, as the model's own code
+      # would fail the same way. No trace: nothing matches at that dtype,
+      # and ``explain_match`` gives this reason.
       trace = None
+      self.dtype_failures[name] = f'{type(e).__name__}: {e}'
     self._dtype_probes[name] = trace
     return trace
 
@@ -957,8 +967,17 @@ class _Matcher:
     found = self._loose_with(tried, te, used, explain)
     if found is not None or self.pattern.fixed is not None:
       return found
+    own = {str(getattr(s.aval, 'dtype', None)) for s in te.inputs}
     for dtype in self._candidate_dtypes(te):
       trace = self.pattern.probe_at_dtype(dtype)
+      name = np.dtype(dtype).name
+      if trace is None and explain is not None and \
+          name in self.pattern.dtype_failures:
+        # First among the reasons where the equation reads that dtype.
+        explain.append((math.inf if name in own else 0,
+                        f'the pattern cannot be traced with {name} inputs '
+                        'at the probe shape, so it has no form at '
+                        f'{name}: {self.pattern.dtype_failures[name]}'))
       if trace is None or any(trace is t for t in tried):
         continue
       tried.append(trace)

@@ -135,12 +135,13 @@ class _Promoting(_eval.Interpreter):
       self.write(sym, value)
 
 
-def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
-              ) -> Mox:
+def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset(),
+              why: str | None = None) -> Mox:
   """A replacement for a call that cannot be rebuilt (an NNX module): its
   traced body run again on inputs and variables cast to ``dtype``, every
   equation at the dtype promotion gives it (an explicit cast in the body
-  keeps its dtype); outputs cast back.
+  keeps its dtype); outputs cast back. ``why``: why a Linen module was
+  not traced again instead, kept as the new call's ``cast_replayed``.
 
   What the body reads from the enclosing body (a constant, a PRNG key)
   and the values it computes that the tree reads elsewhere
@@ -180,6 +181,8 @@ def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset()
   else:
     children, own_out = root.children, root.outputs
   params = {**node.params, 'compute_dtype': dtype.name}
+  if why is not None:
+    params['cast_replayed'] = why
   if 'dtype' in params:
     params['dtype'] = dtype
   call = Mox(own_in, own_out, params,
@@ -255,16 +258,18 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
 
   try:
     root = make_mox(run)(variables, dyn_args)
-  except Exception as e:  # noqa: BLE001 - reported with the module's name
-    # A call traced under a batching transform (nn.vmap) holds its
-    # variables and inputs stacked, which the module's own code does not
-    # take: its traced (batched) body is run again instead.
+  except Exception as e:  # noqa: BLE001 - named case below, else refused
+    # Named case: the module, rebuilt and applied at the call's shapes,
+    # cannot be traced; a call traced under a batching transform (nn.vmap)
+    # holds its variables and inputs stacked, which the module's own code
+    # does not take. Its traced (batched) body is run again instead, and
+    # the new call says so (``cast_replayed``: why it was not re-traced).
+    retraced = (f'tracing it again at {dtype.name} raised '
+                f'{_first_line(e)}')
     try:
-      return _replayed(node, dtype, output, read_elsewhere)
-    except _Refused:
-      pass
-    raise _Refused(f'tracing it again at {dtype.name} raised '
-                   f'{_first_line(e)}') from None
+      return _replayed(node, dtype, output, read_elsewhere, why=retraced)
+    except _Refused as again:
+      raise _Refused(f'{retraced}, and {again}') from None
   n_dyn = node.num_vars + len(dyn_args)
   if len(root.inputs) != n_dyn or len(root.outputs) != len(node.outputs):
     raise _Refused(

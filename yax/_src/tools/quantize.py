@@ -28,7 +28,7 @@ from jax import tree_util as jtu
 from yax._src.errors import SubstitutionError
 from yax._src.ir.arguments import boxed_like, unboxed, with_argument_structure
 from yax._src.ir.containers import get_in, set_in, set_many, without
-from yax._src.ir.nodes import Equation, Mox, Var
+from yax._src.ir.nodes import Equation, Mox, Var, iter_nodes
 from yax._src.ir.variables import (NNX_GROUP, VarEntry, is_nnx, var_entries,
                                    with_variables)
 from yax._src.rewrite import contraction as _contraction
@@ -368,6 +368,28 @@ def quantize(mox: Mox, params, selection, *, weight='int8', act=None,
           f'quantize: the kernel of {describe(node)} is also read by '
           f'{describe(other)}, which is not selected; quantize both or '
           'neither')
+  # A call that lists a kernel among its variables without holding it (an
+  # nnx.jit method hands every Variable it is given back out of its jit
+  # body) would go on reading the float kernel that the rewrite stores
+  # quantized: refused, naming it, rather than a tree that reads an
+  # undefined value.
+  for target in targets:
+    node = target.node
+    kernel = node.var_inputs[target.plan.contraction.kernel_index]
+    near = ({id(n) for n in iter_nodes(node)} | {
+        id(a) for a in chosen.ancestors[id(node)]} | selected | {
+            id(h) for h in holders.get(kernel, ())})
+    for other in iter_nodes(mox):
+      if isinstance(other, Mox) and id(other) not in near and any(
+          s is kernel for s in other.var_inputs):
+        raise SubstitutionError(
+            f'quantize: the kernel {kernel.type_str} of {describe(node)} is '
+            f'also a variable input of {describe(other)} (method '
+            f'{other.entrypoint or "__call__"}), which neither '
+            'holds nor contracts it (an nnx.jit method passes every '
+            'Variable through its jit body); storing it quantized would '
+            'leave that call reading the float kernel. Select module calls '
+            'whose kernels no other call is given')
   if readers:
     chosen = select([*chosen.targets, *(r for r, _ in readers.values())],
                     mox)
