@@ -482,10 +482,11 @@ def test_jax_and_flax_internals_only_in_compat(package):
 
 TRACE = '_src.trace'  # the frontends of the module systems live here
 # What names a module system: the Flax and Equinox packages, and YAX's own
-# frontend modules for them (trace/nnx*.py, trace/equinox*.py). Everything
-# else reaches a module system through trace/systems.py.
+# frontend modules for them (trace/linen*.py, trace/nnx*.py,
+# trace/equinox*.py). Everything else reaches a module system through
+# trace/systems.py.
 SYSTEM_PACKAGES = ('flax.nnx', 'flax.linen', 'equinox')
-SYSTEM_FRONTENDS = ('_src.trace.nnx', '_src.trace.equinox')
+SYSTEM_FRONTENDS = ('_src.trace.linen', '_src.trace.nnx', '_src.trace.equinox')
 # Modules outside trace/ let through for now, (importer, what it imports):
 # why. The test fails when one is no longer made, so the list only shrinks.
 SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -496,18 +497,6 @@ SYSTEM_EXCEPTIONS: dict[tuple[str, str], str] = {
     ('_src.tools.lean_norm', 'flax.linen'):
         'its replacement module (LeanNorm) is a Linen module; it replaces '
         'nn.LayerNorm/nn.RMSNorm by type',
-    ('_src.tools.lean_norm', 'flax.nnx'):
-        'it recognises nnx.LayerNorm/nnx.RMSNorm calls by type (their body '
-        'is replaced, the call kept)',
-    ('_src.tools.cast', 'flax.linen'): 'rebuilds a Linen module at a dtype',
-    ('_src.tools.init_params', 'flax.linen'): 'rebuilds a Linen module to '
-        'initialize it',
-    ('_src.tools.init_params', 'flax.nnx'): 'rebuilds an NNX module to '
-        'initialize it',
-    ('_src.tools.lora', 'flax.linen'):
-        "boxes adapters like a kernel's nn.meta.AxisMetadata",
-    ('_src.rewrite.contraction', 'flax.linen'):
-        "rebuilds a Linen module to find a stacked kernel's axes",
 }
 
 

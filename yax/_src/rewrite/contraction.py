@@ -40,7 +40,6 @@ import itertools
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.extend.core as jex
 from jax import tree_util as jtu
@@ -51,6 +50,7 @@ from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var, iter_nodes
 from yax._src.ir.variables import var_entries, var_keys
 from yax._src.rewrite.engine import describe
 from yax._src.rewrite.quant_formats import FORMATS
+from yax._src.trace import systems as _systems
 
 CONTRACTIONS = ('dot_general', 'conv_general_dilated')
 # ``jax.lax.ragged_dot``: rows of the lhs grouped (``group_sizes``, its
@@ -745,7 +745,7 @@ def _stacked_axes(node: Mox, index: int, batch: list,
   if not batch and len(free) < 2:
     return ()
   cls = node.rebuild_ty
-  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+  if not _systems.is_rebuilt_module(cls):
     return ()  # NNX: nnx.vmap stacks are traced with their own kernel
   declared = _declared_shape(node, index)
   if isinstance(declared, str):
@@ -769,22 +769,21 @@ def _declared_shape(node: Mox, index: int) -> tuple | str:
   call's argument shapes; a reason string when it cannot be."""
   cls = node.rebuild_ty
   keys = var_keys(node)[index]
-  fields = {f.name for f in dataclasses.fields(cls)
-            if f.init and f.name not in ('parent', 'name')}
-  method = getattr(cls, node.entrypoint or '__call__')
+  where = '/'.join(keys)
 
   def init(*arrays):
-    module = cls(**{k: v for k, v in node.params.items() if k in fields})
     it = iter(arrays)
-    args, kwargs = jtu.tree_unflatten(node.in_tree, [
+    example = jtu.tree_unflatten(node.in_tree, [
         next(it) if s.aval is not None else s.value
         for s in node.arg_inputs])
-    return module.init(jax.random.key(0), *args, method=method, **kwargs)
+    return _systems.new_module_variables(
+        cls, node.params, jax.random.key(0), example,
+        node.entrypoint or '__call__', where)
   try:
     declared = jax.eval_shape(init, *(
         jax.ShapeDtypeStruct(s.aval.shape, s.aval.dtype)
         for s in node.arg_inputs if s.aval is not None))
-    declared = nn.meta.unbox(declared)[keys[0]][keys[1]]
+    declared = _systems.unboxed(declared[keys[0]][keys[1]])
   except Exception as e:  # pylint: disable=broad-except
     # Named case: the module cannot be rebuilt alone (a field that is not
     # recorded, a submodule it expects from its parent ...). Which kernel

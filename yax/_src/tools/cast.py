@@ -20,9 +20,6 @@ path and variables, so selections written for the float tree still work.
 
 from __future__ import annotations
 
-import dataclasses
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
@@ -36,6 +33,7 @@ from yax._src.rewrite.engine import (defined_in, describe, inline,
                                      read_outside, read_symbols,
                                      reads_from_enclosing, select, substitute)
 from yax._src.trace import eval as _eval
+from yax._src.trace import systems as _systems
 from yax._src.trace.make import make_mox
 
 
@@ -62,18 +60,14 @@ def _is_float(x) -> bool:
 
 def _rebuilt(node: Mox, dtype):
   cls = node.rebuild_ty
-  if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+  if not _systems.is_rebuilt_module(cls):
     raise _Refused(f'internal: {node.type_name} is not a Linen module')
-  fields = {f.name for f in dataclasses.fields(cls)
-            if f.init and f.name not in ('parent', 'name')}
-  kwargs = {k: v for k, v in node.params.items() if k in fields}
-  if 'dtype' in fields:
-    kwargs['dtype'] = dtype
   try:
-    return cls(**kwargs), 'dtype' in fields
+    module, changed = _systems.rebuilt_module(cls, node.params, dtype=dtype)
   except Exception as e:  # noqa: BLE001 - reported with the module's name
     raise _Refused(f'rebuilding {cls.__name__} from its recorded fields '
                    f'raised {type(e).__name__}: {e}') from None
+  return module, 'dtype' in changed
 
 
 def _prefixed(expr, prefix: tuple):
@@ -213,8 +207,7 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
   shown = set(node.outputs)
   updates_state = any(s in read_elsewhere and s not in shown
                       for s in defined_in(node))
-  if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or \
-      updates_state:
+  if not _systems.is_rebuilt_module(cls) or updates_state:
     # An NNX module; or a call that updates state the tree reads (a
     # BatchNorm's statistics under ``mutable``), which an ``apply`` of
     # the rebuilt module would not give back: its body is run again.
@@ -241,11 +234,10 @@ def _recast(node: Mox, dtype, output, read_elsewhere=frozenset()) -> Mox:
     leaves = [s.value if isinstance(s, Literal) else next(given)
               for s in node.arg_inputs]
     args, kwargs = jtu.tree_unflatten(node.in_tree, leaves)
-    out = module.apply(jtu.tree_map(low, variables),
-                       *[low(a) if not _is_host(a) else a for a in args],
-                       method=method,
-                       **{k: low(v) if not _is_host(v) else v
-                          for k, v in kwargs.items()})
+    out = _systems.apply_module(
+        module, jtu.tree_map(low, variables), node.entrypoint or '__call__',
+        *[low(a) if not _is_host(a) else a for a in args],
+        **{k: low(v) if not _is_host(v) else v for k, v in kwargs.items()})
     out_leaves, tree = jtu.tree_flatten(out)
     back = [x.astype(traced) if _is_float(x) and traced else x
             for x, traced in zip(out_leaves, traced_out, strict=True)]

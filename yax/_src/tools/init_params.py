@@ -16,12 +16,8 @@ containers.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import zlib
 
-import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax import tree_util as jtu
@@ -63,40 +59,6 @@ def _example_args(node: Mox):
   values = [jnp.zeros(s.aval.shape, s.aval.dtype) if s.aval is not None
             else s.value for s in node.arg_inputs]
   return jtu.tree_unflatten(node.in_tree, values)
-
-
-def _linen_variables(node: Mox, key) -> dict:
-  cls = node.module_ty
-  fields = {f.name for f in dataclasses.fields(cls)
-            if f.init and f.name not in ('parent', 'name')}
-  module = cls(**{k: v for k, v in node.params.items() if k in fields})
-  args, kwargs = _example_args(node)
-  method = node.entrypoint or '__call__'
-  return module.init(key, *args, method=getattr(cls, method), **kwargs)
-
-
-def _nnx_variables(node: Mox, key, where: str) -> dict:
-  cls = node.module_ty
-  signature = inspect.signature(cls.__init__)
-  kwargs, missing = {}, []
-  for name, p in list(signature.parameters.items())[1:]:
-    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-      continue
-    if name == 'rngs':
-      kwargs['rngs'] = nnx.Rngs(key)
-    elif name in node.params:
-      kwargs[name] = node.params[name]
-    elif p.default is p.empty:
-      missing.append(name)
-  if missing:
-    raise SubstitutionError(
-        f'init_params: {where} is declared by the NNX module {cls.__name__}, '
-        f'whose __init__ needs {missing}, which the trace did not record '
-        f'(it recorded {sorted(k for k in node.params if k != "name")}); '
-        'store them as attributes of the module, or pass the variable in '
-        'params')
-  module = cls(**kwargs)
-  return nnx.state(module)
 
 
 def init_params(mox: Mox, params, *, key):
@@ -146,8 +108,8 @@ def init_params(mox: Mox, params, *, key):
   # checks as static structure.
   boxes = {_keys(kp): jtu.tree_structure(v) for kp, v in
            jtu.tree_flatten_with_path(
-               expected, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
-           if isinstance(v, nnx.Variable)}
+               expected, is_leaf=_systems.is_typed_variable)[0]
+           if _systems.is_typed_variable(v)}
   have = {_keys(kp) for kp, _ in jtu.tree_flatten_with_path(params)[0]}
   # How params hold a new variable: an NNX Variable in an NNX state, a
   # plain array in an Equinox model.
@@ -178,19 +140,15 @@ def init_params(mox: Mox, params, *, key):
                               where, boxes, box))
       continue
     if id(node) not in cache:
-      cls = node.rebuild_ty
-      if isinstance(cls, type) and issubclass(cls, nn.Module):
-        cache[id(node)] = _linen_variables(node, folded)
-      elif isinstance(cls, type) and issubclass(cls, nnx.Module):
-        cache[id(node)] = _nnx_variables(node, folded, where)
-      elif isinstance(cls, type) and _systems.is_record_module(cls):
-        cache[id(node)] = _systems.record_module_variables(
-            cls, node.params, folded, where)
-      else:
+      made = _systems.new_module_variables(
+          node.rebuild_ty, node.params, folded, _example_args(node),
+          node.entrypoint or '__call__', where)
+      if made is None:
         raise SubstitutionError(
             f'init_params: {where} is declared by {node.type_name} at path '
             f"{'/'.join(node.path) or '<root>'}, which is not a Flax module "
             'YAX can initialise')
+      cache[id(node)] = made
     value = _lookup(cache[id(node)], loc, node, where, col == NNX_GROUP)
     if tuple(value.shape) != tuple(sym.aval.shape) or \
         value.dtype != sym.aval.dtype:
@@ -227,8 +185,7 @@ def _recorded(node: Mox, init, keys, path, sym, key, params, where: str,
           f'init_params: {where} is made from '
           f"params{''.join(f'[{p!r}]' for p in native(k))}, which params "
           'lacks') from None
-    value = nn.meta.unbox(value)
-    return value[...] if isinstance(value, nnx.Variable) else value
+    return _systems.unboxed(value)
 
   try:
     made = init(key, sym.aval, read)
@@ -270,9 +227,7 @@ def _lookup(variables, loc, node: Mox, where: str, is_nnx: bool):
     raise SubstitutionError(
         f'init_params: {node.type_name}.init does not create {where} '
         f'(it creates {sorted(map(str, tree))})')
-  if isinstance(value, nnx.Variable):
-    return value[...]
-  return nn.meta.unbox(value)
+  return _systems.unboxed(value)
 
 
 def _keys(keypath) -> tuple:

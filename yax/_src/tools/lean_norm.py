@@ -41,15 +41,15 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import tree_util as jtu
 
 from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Literal, Mox, iter_nodes
 from yax._src.rewrite import activations as _activations
 from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
-from yax._src.views.query import query
+from yax._src.trace import systems as _systems
 from yax._src.trace.make import make_mox
+from yax._src.views.query import query
 
 DEFAULT = '//module_call[@type="LayerNorm" or @type="RMSNorm"]'
 
@@ -131,9 +131,14 @@ class LeanNorm(nn.Module):
                          self.use_bias)(x, scale, bias)
 
 
-_SUPPORTED = {nn.LayerNorm: False, nn.RMSNorm: True}
-# NNX norms keep their call (type, path, variables); only the body changes.
-_NNX = {nnx.LayerNorm: False, nnx.RMSNorm: True}
+def _is_rms(node: Mox) -> bool:
+  return _systems.norm_kind(node.module_ty) == 'rms'
+
+
+def _keeps_call(node: Mox) -> bool:
+  """An NNX norm keeps its call (type, path, variables); only the body
+  changes. A Linen one becomes a ``LeanNorm`` call."""
+  return not _systems.is_rebuilt_module(node.module_ty)
 
 
 def _last_axis(value) -> bool:
@@ -141,8 +146,8 @@ def _last_axis(value) -> bool:
 
 
 def _why_not(node) -> str | None:
-  if not isinstance(node, Mox) or (node.module_ty not in _SUPPORTED and
-                                   node.module_ty not in _NNX):
+  if not isinstance(node, Mox) or _systems.norm_kind(
+      node.module_ty) is None:
     return ('it is not a flax.linen or flax.nnx LayerNorm or RMSNorm call '
             '(lean_norm rewrites those)')
   if node.rewritten:
@@ -164,10 +169,10 @@ def _why_not(node) -> str | None:
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
-  if node.module_ty in _NNX:
+  if _keeps_call(node):
     names = _nnx_names(node)
     wanted = {'scale'} if p.get('use_scale', True) else set()
-    if p.get('use_bias', True) and not _NNX[node.module_ty]:
+    if p.get('use_bias', True) and not _is_rms(node):
       wanted.add('bias')
     if names is None or set(names) != wanted:
       return (f'it reads the variables {names!r}, expected '
@@ -192,7 +197,7 @@ def _nnx_replacement(node: Mox) -> Mox:
   """The NNX call with its body replaced by the lean ``custom_vjp``: same
   inputs (variables, then ``x``), outputs, type, path and fields."""
   p = node.params
-  rms = _NNX[node.module_ty]
+  rms = _is_rms(node)
   use_scale = p.get('use_scale', True)
   use_bias = p.get('use_bias', True) and not rms
   fn = lean_function(rms, float(p.get('epsilon', 1e-6)), use_scale, use_bias)
@@ -356,15 +361,15 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
 
   def replace(path, node):
     del path
-    if node.module_ty in _NNX:
+    if _keeps_call(node):
       return _nnx_replacement(node)
     p = node.params
     x = node.arg_inputs[0]
-    module = LeanNorm(rms=_SUPPORTED[node.module_ty],
+    module = LeanNorm(rms=_is_rms(node),
                       epsilon=p.get('epsilon', 1e-6),
                       use_scale=p.get('use_scale', True),
                       use_bias=p.get('use_bias', True) and
-                      not _SUPPORTED[node.module_ty],
+                      not _is_rms(node),
                       param_dtype=p.get('param_dtype', jnp.float32),
                       name=node.path[-1] if node.path else None)
     spec = jax.ShapeDtypeStruct(tuple(x.aval.shape), x.aval.dtype)

@@ -65,7 +65,6 @@ import math
 import numbers
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1092,7 +1091,7 @@ def lora(mox: Mox, params, selection=_DEFAULT_SELECTION, *,
     # A Linen box (a bridged NNX model's params, ToLinen): the adapter too.
     # (An Equinox model's kernel is a plain array, and so are its adapters.)
     boxed_nnx = group == NNX_GROUP and not isinstance(
-        kernel, (nn.meta.AxisMetadata, jax.Array))
+        kernel, jax.Array) and not _systems.is_metadata_box(kernel)
     box = _adapter_box(kernel, plan, role != 'b', boxed_nnx)
     if role == 'm':  # axes as B's last ones
       box = _adapter_box(kernel, plan, False, boxed_nnx, magnitude=True)
@@ -1522,11 +1521,10 @@ def _adapter_box(kernel, plan: _contraction.KernelPlan, is_a: bool,
       return lambda v: _systems.typed_variable('LoRAParam', v)
     return lambda v: _systems.typed_variable_like('LoRAParam', v, kernel,
                                                   **{found[0]: names})
-  names = getattr(kernel, 'names', None)
-  if isinstance(kernel, nn.meta.AxisMetadata) and isinstance(
-      names, (tuple, list)) and adapter_names(names) is not None:
+  names = _systems.box_axis_names(kernel)
+  if names is not None and adapter_names(names) is not None:
     new = adapter_names(names)
-    return lambda v: kernel.replace(value=v, names=new)
+    return lambda v: _systems.reboxed(kernel, v, new)
   return lambda v: v
 
 

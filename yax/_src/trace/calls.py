@@ -1,5 +1,6 @@
-"""A module call between boundary markers: shared by the Linen and NNX
-frontends (``trace/make.py`` and ``trace/nnx.py``), so neither imports the other.
+"""A module call between boundary markers: shared by the Linen, NNX and
+Equinox frontends (``trace/linen.py``, ``trace/nnx.py``,
+``trace/equinox.py``), so none imports another.
 
 :func:`marked_call` runs one method call between ``yax_enter`` and
 ``yax_exit`` (see ``trace/markers.py``) and describes it in a :class:`CallRecord`,

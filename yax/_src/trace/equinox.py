@@ -39,6 +39,7 @@ from jax import tree_util as jtu
 from yax._src.errors import SubstitutionError, YaxError
 from yax._src.ir import containers as _containers
 from yax._src.ir.variables import key_name, variable_treedef
+from yax._src.trace import patching as _patching
 from yax._src.trace.calls import is_traced_value, marked_call
 
 try:  # an optional module system: YAX works without Equinox installed
@@ -81,9 +82,6 @@ def static_leaves(leaves_tree) -> set[int]:
 
 # ------------------------------------------------------------ patching
 
-_patch_lock = threading.Lock()
-_patch_users = 0
-_patched: dict[type, dict[str, Any]] = {}  # class -> original attributes
 _local = threading.local()
 
 
@@ -91,14 +89,7 @@ def _module_classes() -> list[type]:
   """Every subclass of ``eqx.Module`` but Equinox's own internals (its
   transform wrappers, bound methods, ``Partial``...); ``eqx.nn`` layers and
   every class of other packages are included."""
-  seen, stack = [], [eqx.Module]
-  while stack:
-    cls = stack.pop()
-    for sub in cls.__subclasses__():
-      if sub not in seen:
-        seen.append(sub)
-        stack.append(sub)
-  return [c for c in seen if not c.__module__.startswith('equinox.')
+  return [c for c in _patching.subclasses(eqx.Module) if not c.__module__.startswith('equinox.')
           or c.__module__.startswith('equinox.nn.')]
 
 
@@ -138,47 +129,14 @@ def _wrap(fn, name: str):
   return method
 
 
-def _patch_classes() -> None:
-  for cls in _module_classes():
-    if cls in _patched:
-      continue
-    originals = {}
-    for name in _wrapped_names(cls):
-      fn = vars(cls)[name]
-      originals[name] = fn
-      type.__setattr__(cls, name, _wrap(fn, name))
-    _patched[cls] = originals
+_patch = _patching.ClassPatch(_module_classes, _wrapped_names, _wrap)
 
 
-def _restore_classes() -> None:
-  for cls, originals in _patched.items():
-    for name, fn in originals.items():
-      type.__setattr__(cls, name, fn)
-  _patched.clear()
-
-
-@contextlib.contextmanager
 def patched_classes():
   """Module methods wrapped while the block runs (nested and threaded
   traces share one patch; the last to leave restores the classes). The
   wrappers record nothing on a thread with no trace context."""
-  global _patch_users
-  with _patch_lock:
-    _patch_users += 1
-    try:
-      _patch_classes()
-    except BaseException:
-      _patch_users -= 1
-      if not _patch_users:
-        _restore_classes()
-      raise
-  try:
-    yield
-  finally:
-    with _patch_lock:
-      _patch_users -= 1
-      if not _patch_users:
-        _restore_classes()
+  return _patch.applied()
 
 
 @contextlib.contextmanager

@@ -2,11 +2,12 @@
 
 How it works, in three steps, all on public APIs:
 
-1. ``jax.make_jaxpr`` traces the function while a
-   ``flax.linen.intercept_methods`` interceptor is active, under a fresh
+1. ``jax.make_jaxpr`` traces the function while every module system's
+   interception is active (``systems.TraceScope``: Linen's in ``linen.py``,
+   NNX's in ``nnx.py``, Equinox's in ``equinox.py``), under a fresh
    value of a JAX user context, so that JAX's caches neither serve this
    trace an entry made without markers nor keep one for later plain calls.
-2. The interceptor wraps every Flax method call in boundary markers
+2. The interception wraps every module method call in boundary markers
    (see ``trace/markers.py``): ``yax_enter(*variables, *args)`` before the call
    and ``yax_exit(*outputs)`` after it, and records what the call was (module
    class, fields, path, argument and output trees) under a fresh call id.
@@ -27,12 +28,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.extend import core as jex
 
-from yax._src.compat import linen_rng_keys
 from yax._src.errors import TraceError, TraceWarning
 from yax._src.ir import lower as _lower
 from yax._src.ir import rules as _rules
@@ -40,10 +39,9 @@ from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var
 from yax._src.ir.variables import is_variable_treedef
 from yax._src.trace import calls as _calls
 from yax._src.trace import markers as _markers
-from yax._src.trace import nnx as _nnx
 from yax._src.trace import nnx_variables as _nnx_variables
 from yax._src.trace import systems as _systems
-from yax._src.trace.calls import CallRecord, is_traced_value, marked_call
+from yax._src.trace.calls import CallRecord
 
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
@@ -65,76 +63,6 @@ def _is_jax_output(x) -> bool:
                         bool, jax.core.Tracer))
 
 
-# ----------------------------------------------------------- call records
-
-# Field names per module class, computed once (``dataclasses.fields`` is
-# slow enough to show up when tracing models with hundreds of module calls).
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def module_fields(module: nn.Module) -> dict:
-  """A module's dataclass fields except ``parent``, including ``name``."""
-  cls = type(module)
-  names = _FIELD_NAMES.get(cls)
-  if names is None:
-    names = _FIELD_NAMES[cls] = tuple(
-        f.name for f in dataclasses.fields(module)
-        if f.name != 'parent' and (f.init or f.name == 'name'))
-  return {name: getattr(module, name, None) for name in names}
-
-
-def _interceptor(trace: _calls.Trace, next_fun, args, kwargs, context):
-  active = _calls.active()
-  # A nested ``make_mox`` (called while ``fn`` of an outer one runs) installs
-  # its own interceptor; only the innermost trace records, so the inner tree
-  # is the same as when traced alone and the outer one sees no markers twice.
-  if not active or active[-1] is not trace or not _calls.is_module_method(
-      context.method_name):
-    return next_fun(*args, **kwargs)
-  module = context.module
-  if module.scope is None:
-    # Why skipping is right: a method of an unbound module (called outside
-    # ``apply``/``init``, e.g. a helper that only reads dataclass fields)
-    # has no variables and no scope path; it is recorded by nothing, and
-    # whatever arrays it computes stay in the caller's body.
-    return next_fun(*args, **kwargs)
-  path = tuple(module.path)
-  # Every variable the module reaches (its own, dict-valued ones included,
-  # and its submodules' scopes, as ``module.variables`` nests them) rides
-  # in the marker; the tree builder keeps those the call's body reads.
-  # The keys of the RNG streams given to ``apply`` ride along too, under
-  # the collection ``rngs``: a call that draws from a stream (Dropout's
-  # ``make_rng('dropout')``) reads its key.
-  reachable = dict(module.variables)
-  keys = {name: key for name, key in linen_rng_keys(module.scope).items()
-          if is_traced_value(key)}
-  if keys and RNGS not in reachable:
-    reachable[RNGS] = keys
-  var_leaves, var_tree = tree_flatten(_traced_only(reachable))
-  bridged = _nnx.bridged_class(module)
-  if bridged is not None:
-    # Flax's ToLinen: an NNX model built and run inside this call, its
-    # whole state in this module's variables (nested dicts are the NNX
-    # attribute paths, not submodule scopes: ToLinen has no submodules).
-    next_fun = _nnx.bridged(path, bridged, next_fun)
-  return marked_call(type(module), context.method_name, module_fields(module),
-                     path, var_leaves, var_tree, next_fun, args, kwargs)
-
-
-def _traced_only(tree):
-  """The nested dicts of ``tree`` with only their traced leaves (metadata
-  boxes such as ``nn.LogicallyPartitioned`` kept around them)."""
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      value = _traced_only(value)
-      if value:
-        out[key] = value
-    elif all(map(is_traced_value, jax.tree_util.tree_leaves(value))):
-      out[key] = value
-  return out
-
-
 # Every trace runs with this JAX user context set. JAX keys its tracing,
 # lowering and compilation caches on it (``jax.make_user_context``), so a YAX
 # trace never reuses a Jaxpr that ``jax.jit`` (or Flax's ``nn.jit``) traced
@@ -152,10 +80,6 @@ _WITH_MARKERS = 'yax: module call markers'
 # body's inputs are the equation's inputs, one for one: an output the body
 # forwards from an input is that input.
 _FORWARDING = frozenset({'jit', 'pjit'})
-
-
-# The collection a Linen call lists the RNG keys it draws from under.
-RNGS = 'rngs'
 
 
 # ------------------------------------------------------------ make_mox
@@ -201,7 +125,7 @@ def make_mox(fn: Callable, **jaxpr_kwargs) -> Callable[..., Mox]:
       for i, v in zip(dyn, dyn_vals, strict=True):
         full[i] = v
       a, k = tree_unflatten(in_tree, full)
-      with scope.active(functools.partial(_interceptor, this), a, k):
+      with scope.active(this, a, k):
         out = _calls.call_with_stack_room(scope.call, (fn, a, k), {})
       out_leaves, out_tree = tree_flatten(out)
       out_dyn = [i for i, x in enumerate(out_leaves) if _is_jax_output(x)]

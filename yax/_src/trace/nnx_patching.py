@@ -5,40 +5,30 @@ trace runs, the methods of every ``nnx.Module`` subclass are wrapped
 (``__call__`` and the other methods each class defines itself). A wrapper
 hands the call to the trace context of its thread (:data:`current`) and
 otherwise calls the method as it is; nested and threaded traces share one
-patch, and the last to leave puts the original methods back (see
-``docs/design.md``, "NNX modules")."""
+patch (``patching.ClassPatch``, as Equinox's), and the last to leave puts
+the original methods back (see ``docs/design.md``, "NNX modules")."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
-from typing import Any
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
   from flax import nnx
 except ImportError:  # pragma: no cover - flax without nnx
   nnx = None
 
+from yax._src.trace import patching as _patching
 
-_patch_lock = threading.Lock()
-_patch_users = 0
-_patched: dict[type, dict[str, Any]] = {}  # class -> original attributes
+
 # The NNX side of the trace running on this thread (``nnx._Context``) as
 # ``current.ctx``; without it a wrapper calls the method as it is.
 current = threading.local()
 
 
 def _module_classes():
-  seen, stack = [], [nnx.Module]
-  while stack:
-    cls = stack.pop()
-    for sub in cls.__subclasses__():
-      if sub not in seen:
-        seen.append(sub)
-        stack.append(sub)
-  return seen
+  return _patching.subclasses(nnx.Module)
 
 
 def _wrapped_names(cls) -> list[str]:
@@ -82,43 +72,10 @@ def _wrap(fn, name: str):
   return method
 
 
-def _patch_classes():
-  for cls in _module_classes():
-    if cls in _patched:
-      continue
-    originals = {}
-    for name in _wrapped_names(cls):
-      fn = vars(cls)[name]
-      originals[name] = fn
-      setattr(cls, name, _wrap(fn, name))
-    _patched[cls] = originals
+_patch = _patching.ClassPatch(_module_classes, _wrapped_names, _wrap)
 
 
-def _restore_classes():
-  for cls, originals in _patched.items():
-    for name, fn in originals.items():
-      setattr(cls, name, fn)
-  _patched.clear()
-
-
-@contextlib.contextmanager
 def patched_classes():
   """Wraps NNX module methods while the block runs (nested and threaded
   traces share one patch; the last to leave restores the classes)."""
-  global _patch_users
-  with _patch_lock:
-    _patch_users += 1
-    try:
-      _patch_classes()
-    except BaseException:
-      _patch_users -= 1
-      if not _patch_users:
-        _restore_classes()
-      raise
-  try:
-    yield
-  finally:
-    with _patch_lock:
-      _patch_users -= 1
-      if not _patch_users:
-        _restore_classes()
+  return _patch.applied()

@@ -9,12 +9,13 @@ metadata), and grouping a call's variables as the summary shows them."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import numpy as np
 from jax import tree_util as jtu
 
-from yax._src.errors import YaxError
+from yax._src.errors import SubstitutionError, YaxError
 from yax._src.ir.variables import (VariableTree, is_variable_treedef, key_name,
                                    variable_treedef)
 from yax._src.trace.calls import is_traced_value
@@ -235,3 +236,52 @@ def own_variables(mox) -> dict:
     if own:
       out.setdefault(_group(kind, is_param), {})[path] = sym
   return out
+
+
+# ------------------------------------------------------------- rebuilds
+
+
+def is_module_class(cls) -> bool:
+  """Whether ``cls`` is an NNX module class."""
+  return nnx is not None and isinstance(cls, type) and issubclass(
+      cls, nnx.Module)
+
+
+def init_variables(cls: type, attributes: dict, key, where: str):
+  """The state (``nnx.State``) of a new ``cls`` built by its ``__init__``:
+  an ``rngs`` parameter gets ``nnx.Rngs(key)``, the others the values the
+  trace recorded as the call's ``attributes``, or their defaults.
+
+  ``where`` names the variable asked for (for the error raised when
+  ``__init__`` needs an argument the trace did not record).
+
+  Example: ``init_variables(nnx.Linear, {'in_features': 2,
+  'out_features': 3}, key, where)['kernel']``.
+  """
+  signature = inspect.signature(cls.__init__)
+  kwargs, missing = {}, []
+  for name, p in list(signature.parameters.items())[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+      continue
+    if name == 'rngs':
+      kwargs['rngs'] = nnx.Rngs(key)
+    elif name in attributes:
+      kwargs[name] = attributes[name]
+    elif p.default is p.empty:
+      missing.append(name)
+  if missing:
+    raise SubstitutionError(
+        f'init_params: {where} is declared by the NNX module {cls.__name__}, '
+        f'whose __init__ needs {missing}, which the trace did not record '
+        f'(it recorded {sorted(k for k in attributes if k != "name")}); '
+        'store them as attributes of the module, or pass the variable in '
+        'params')
+  return nnx.state(cls(**kwargs))
+
+
+def norm_kinds() -> dict[type, str]:
+  """NNX's normalisation layers by kind: ``{nnx.LayerNorm: 'layer',
+  nnx.RMSNorm: 'rms'}`` (empty without ``flax.nnx``)."""
+  if nnx is None:
+    return {}
+  return {nnx.LayerNorm: 'layer', nnx.RMSNorm: 'rms'}

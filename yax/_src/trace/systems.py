@@ -1,7 +1,7 @@
 """What tools, views and reports ask of a module system (Linen, NNX, Equinox).
 
 Each module system has its frontend in ``yax/_src/trace/``: Linen's calls
-are marked in ``make.py`` (``flax.linen.intercept_methods``), NNX's in
+are marked in ``linen.py`` (``flax.linen.intercept_methods``), NNX's in
 ``nnx.py``, Equinox's in ``equinox.py``. Code outside ``trace/`` never
 imports them (``tests/test_layering.py`` checks it): it asks the functions
 here, which answer for every system.
@@ -16,6 +16,11 @@ The questions, by concern:
   split as ``nnx.split`` does), how state updates flow back into the
   given modules after ``eval_mox``, and how a model returned by a
   command-line factory becomes an argument.
+* **Rebuilds.** How a call's module is built anew from the fields the
+  trace recorded (``cast`` at another dtype, ``init_params`` for new
+  variables, ``contraction``'s declared kernel shapes): a Linen module is
+  rebuilt and applied, NNX and Equinox modules built by their
+  ``__init__``; and which classes are Flax's norm layers (``lean_norm``).
 * **Tracing.** The scope of one ``make_mox`` trace: every frontend's
   interception active around the traced function.
 
@@ -35,12 +40,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
-
-import flax.linen as nn
 
 from yax._src.ir.variables import NNX_GROUP
 from yax._src.trace import equinox as _eqx
+from yax._src.trace import linen as _linen
 from yax._src.trace import nnx as _nnx
 from yax._src.trace import nnx_arguments as _nnx_arguments
 from yax._src.trace import nnx_variables as _nnx_variables
@@ -125,6 +130,108 @@ def record_module_variables(cls: type, attributes: dict, key,
   return _eqx.init_variables(cls, attributes, key, where)
 
 
+def is_metadata_box(x) -> bool:
+  """Whether ``x`` is a Linen metadata box around a variable's value
+  (``nn.Partitioned``, ``nn.LogicallyPartitioned`` ...)."""
+  return _linen.is_box(x)
+
+
+def box_axis_names(x) -> tuple | None:
+  """The axis names of a Linen metadata box that has them
+  (``nn.Partitioned``'s ``names``), else None."""
+  names = getattr(x, 'names', None)
+  if _linen.is_box(x) and isinstance(names, (tuple, list)):
+    return tuple(names)
+  return None
+
+
+def reboxed(box, value, names: tuple):
+  """``value`` in a Linen metadata box like ``box`` with axis ``names``.
+
+  Example: ``reboxed(nn.Partitioned(k, ('embed', 'mlp')), a,
+  ('embed', None))``.
+  """
+  return box.replace(value=value, names=names)
+
+
+def norm_kind(cls) -> str | None:
+  """``'layer'`` for Flax's ``LayerNorm``, ``'rms'`` for its ``RMSNorm``
+  (Linen's and NNX's classes alike), else None.
+
+  Example: ``norm_kind(nnx.RMSNorm) == 'rms'``.
+  """
+  return (_linen.norm_kinds().get(cls)
+          or _nnx_variables.norm_kinds().get(cls))
+
+
+def is_typed_variable(x) -> bool:
+  """Whether ``x`` is a typed variable of a model (an ``nnx.Variable``)."""
+  return _nnx_variables.nnx is not None and isinstance(
+      x, _nnx_variables.nnx.Variable)
+
+
+def unboxed(value):
+  """The array a model holds for a variable: ``value`` without a Linen
+  metadata box (``nn.Partitioned`` ...) or an NNX Variable around it.
+
+  Example: ``unboxed(nnx.Param(x)) is x``.
+  """
+  if is_typed_variable(value):
+    return value[...]
+  return _linen.unboxed(value)
+
+
+def is_rebuilt_module(cls) -> bool:
+  """Whether a call of ``cls`` is run again by rebuilding its module from
+  the fields the trace recorded and applying it (a Linen module), rather
+  than by running its traced body again (NNX, Equinox)."""
+  return _linen.is_module_class(cls)
+
+
+def rebuilt_module(cls: type, attributes: dict, **changes):
+  """``(module, changed)``: a new ``cls`` (see :func:`is_rebuilt_module`)
+  from a call's recorded ``attributes``, with ``changes`` applied to the
+  fields ``cls`` has (``changed`` names them). Run it with
+  :func:`apply_module`.
+
+  Example: ``rebuilt_module(nn.Dense, node.params, dtype=jnp.bfloat16)``.
+  """
+  return _linen.rebuilt(cls, attributes, **changes)
+
+
+def apply_module(module, variables, method: str, *args, **kwargs):
+  """``method`` of a module from :func:`rebuilt_module` run on
+  ``variables`` and the arguments.
+
+  Example: ``apply_module(module, {'params': p}, '__call__', x)``.
+  """
+  return module.apply(variables, *args, method=getattr(type(module), method),
+                      **kwargs)
+
+
+def new_module_variables(cls, attributes: dict, key, example, method: str,
+                         where: str):
+  """The variables a new module of ``cls`` creates, built from a call's
+  recorded ``attributes`` and initialised with ``key``: Linen collections
+  (``{'params': {...}}``) from ``init`` of ``method`` on ``example`` (the
+  call's ``(args, kwargs)``), an NNX module's state, an Equinox module's
+  ``{field: array}``; None when ``cls`` is no module class of any system.
+  ``where`` names the variable asked for, in the error raised when the
+  module's ``__init__`` needs an argument the trace did not record.
+
+  Example: ``new_module_variables(nn.Dense, {'features': 4}, key,
+  ((x,), {}), '__call__', where)``.
+  """
+  if _linen.is_module_class(cls):
+    args, kwargs = example
+    return _linen.init_variables(cls, attributes, key, args, kwargs, method)
+  if _nnx_variables.is_module_class(cls):
+    return _nnx_variables.init_variables(cls, attributes, key, where)
+  if _eqx.is_module_class(cls):
+    return _eqx.init_variables(cls, attributes, key, where)
+  return None
+
+
 def variable_kinds(node) -> list[str] | None:
   """The kind of each of a module call's variable inputs (``Param``,
   ``BatchStat``, ``RngCount`` ...) when they are typed (NNX, Equinox),
@@ -205,7 +312,7 @@ class TraceScope:
   Example::
 
       scope = TraceScope(args, kwargs)
-      with scope.active(interceptor, a, k):
+      with scope.active(trace, a, k):
         out = scope.call(fn, a, k)
   """
 
@@ -216,12 +323,12 @@ class TraceScope:
         (args, kwargs))
 
   @contextlib.contextmanager
-  def active(self, linen_interceptor, args, kwargs):
-    """Linen methods intercepted by ``linen_interceptor``, NNX and Equinox
-    methods wrapped (the modules in ``(args, kwargs)`` indexed at their
-    paths) while the block runs."""
-    with nn.intercept_methods(linen_interceptor), self._nnx, \
-        _eqx.tracing(args, kwargs):
+  def active(self, trace, args, kwargs):
+    """Linen methods intercepted for ``trace`` (a ``calls.Trace``), NNX and
+    Equinox methods wrapped (the modules in ``(args, kwargs)`` indexed at
+    their paths) while the block runs."""
+    with _linen.tracing(functools.partial(_linen.interceptor, trace)), \
+        self._nnx, _eqx.tracing(args, kwargs):
       yield
 
   def call(self, fn, args, kwargs):
