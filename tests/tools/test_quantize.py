@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import yax
 
@@ -663,3 +664,82 @@ def test_qlora_on_scanned_stacks_merges_to_float_kernels(axis):
   assert kernel.shape == variables['params']['layers']['dense']['kernel'].shape
   np.testing.assert_allclose(model.apply(merged, x),
                              yax.eval_mox(res.mox, trained, x), **TOL)
+
+
+# ------------------------------------------- host quantizer, in blocks
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_host_codes_in_blocks_are_the_spec_rule(data):
+  """``quantize_kernel`` on a host kernel works in blocks of leading rows
+  (``_BLOCK`` elements, drawn small here so that every kernel spans many
+  blocks): its codes and scales are bit for bit the SPEC's rule in plain
+  NumPy on the whole kernel, stacked and permuted layouts, tiles, zero
+  columns, ties and subnormal columns (codes clipped) included."""
+  from yax._src.rewrite import quant_formats
+  fmt = data.draw(st.sampled_from(['int8', 'int4']), label='fmt')
+  stack = data.draw(st.integers(0, 1), label='stack')
+  ndim = data.draw(st.integers(1, 3), label='ndim')
+  shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=ndim,
+                                   max_size=ndim), label='shape'))
+  contracted = tuple(sorted(data.draw(st.sets(
+      st.integers(0, ndim - 1), min_size=1), label='contracted')))
+  k = int(np.prod([shape[i] for i in contracted]))
+  tile = data.draw(st.sampled_from(
+      [None, *(t for t in range(1, k + 1) if k % t == 0)]), label='tile')
+  n = data.draw(st.integers(1, 4), label='stacked') if stack else None
+  sliced = (n, *shape) if stack else shape
+  # The kernel as stored: the stack axis anywhere (perm brings it first).
+  where = data.draw(st.integers(0, ndim), label='stack at') if stack else 0
+  perm = None
+  if stack and where:
+    perm = (where, *(i for i in range(ndim + 1) if i != where))
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1),
+                                        label='seed'))
+  w = rng.standard_normal(sliced).astype(np.float32)
+  kind = data.draw(st.sampled_from(['normal', 'ties', 'tiny', 'zeros']),
+                   label='values')
+  if kind == 'ties':  # halves, a column's absmax 127: scale 1, ties
+    w = np.round(w * 8) / 2
+    w.reshape(-1)[0] = 127.0
+  elif kind == 'tiny':  # subnormal: absmax / qmax rounds to 0
+    w = (np.sign(w) * np.float32(1.4e-45)).astype(np.float32)
+  elif kind == 'zeros':
+    w[..., 0] = 0.0
+  stored = w if perm is None else np.transpose(w, np.argsort(perm))
+  block = data.draw(st.integers(1, 40), label='block')
+  on = data.draw(st.sampled_from([np.asarray, jnp.asarray]), label='on')
+  top = np.float32({'int8': 127, 'int4': 7}[fmt])
+
+  def spec(s):  # one slice, as the SPEC (and test_stored_values_...)
+    other = [i for i in range(s.ndim) if i not in contracted]
+    moved = np.transpose(s, [*contracted, *other])
+    groups = moved.reshape(k // (tile or k), tile or k, -1)
+    absmax = np.abs(groups).max(1, keepdims=True)
+    scale = np.where(absmax > 0, absmax / top, np.float32(1))
+    codes = np.clip(np.round(groups / scale), -top, top)
+    codes = np.transpose(codes.reshape(moved.shape),
+                         np.argsort([*contracted, *other]))
+    if tile is None:
+      scale = np.transpose(scale.reshape(*(1,) * len(contracted),
+                                         *(s.shape[i] for i in other)),
+                           np.argsort([*contracted, *other]))
+    else:
+      scale = scale.reshape(k // tile, 1, *(s.shape[i] for i in other))
+    return codes, scale
+
+  with pytest.MonkeyPatch.context() as patch, np.errstate(divide='ignore'):
+    if stack:
+      want_q, want_scale = (np.stack(a) for a in zip(*map(spec, w)))
+      if perm is not None:
+        want_q = np.transpose(want_q, np.argsort(perm))
+    else:
+      want_q, want_scale = spec(w)
+    patch.setattr(quant_formats, '_BLOCK', block)
+    q, scale = quant_formats.quantize_kernel(on(stored), fmt, contracted,
+                                             tile, stack, perm)
+  assert isinstance(q, jax.Array) and q.dtype == jnp.dtype(
+      {'int8': jnp.int8, 'int4': jnp.int4}[fmt])
+  np.testing.assert_array_equal(np.asarray(q, np.int32),
+                                want_q.astype(np.int32))
+  np.testing.assert_array_equal(np.asarray(scale), want_scale)

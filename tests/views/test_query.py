@@ -8,6 +8,7 @@ and with ``xmllint --xpath`` evaluating the same expression on the
 
 import functools
 import io
+import itertools
 import math
 import shutil
 import subprocess
@@ -155,6 +156,49 @@ def test_query_on_a_subtree(net):
   (dot,) = yax.query('//module_call[@name="up"]/dot_general', first)
   assert yax.query('//input', dot) == dot.inputs
   assert yax.query('.', dot) == [dot]
+
+
+class _Lifted(nn.Module):
+  """Dense calls inside equation bodies (nn.jit, nn.remat, nn.scan) and
+  outside them."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.jit(nn.Dense)(3, name='jitted')(x)
+    x = nn.remat(nn.Dense)(3, name='remat')(x)
+    x, _ = nn.scan(lambda m, c, _: (m(c), None), variable_axes={'params': 0},
+                   split_rngs={'params': True}, length=2)(
+                       nn.Dense(3, name='scanned'), x, None)
+    return nn.Dense(3, name='last')(x)
+
+
+def test_by_type_agrees_with_the_xml_view(net, monkeypatch):
+  """``//module_call[@type="T"]`` is answered without building the XML
+  view; it selects what lxml selects on the view, bodies included."""
+  x = jnp.ones((2, 3))
+  lifted = yax.make_mox(_Lifted().apply)(_Lifted().init(KEY, x), x)
+  (first,) = yax.query('//module_call[@name="first"]', net)
+  cases = [(tree, ty) for tree in (net, first, first.children[0])
+           for ty in ('Dense', 'Block', 'LayerNorm', 'Net', 'None', '')]
+  cases += [(lifted, ty) for ty in ('Dense', '_Lifted')]
+  want = {}
+  for tree, ty in cases:
+    view = _serialize.xml_view(tree)
+    want[id(tree), ty] = [
+        view.node(e, tree) for e in view.root.xpath(
+            f'//module_call[@type="{ty}"]')]
+  assert {n.path[-1] for n in want[id(lifted), 'Dense']} == {
+      'jitted', 'remat', 'scanned', 'last'}
+  monkeypatch.setattr(_serialize, 'build_view', None)  # never built again
+  monkeypatch.setattr(_serialize, '_VIEWS', {})
+  for (tree, ty), quote in itertools.product(cases, '"\''):
+    found = yax.query(f'//module_call[@type={quote}{ty}{quote}]', tree)
+    assert found == want[id(tree), ty]
+    assert all(a is b for a, b in zip(found, want[id(tree), ty]))
+  with pytest.raises(yax.YaxError, match='expected a Mox .* got dict'):
+    yax.query('//module_call[@type="Dense"]', {'a': 1})
+  with pytest.raises(yax.XPathError, match='variables'):
+    yax.query('//module_call[@type="Dense"]', net, variables=[1])
 
 
 def test_variables(net):

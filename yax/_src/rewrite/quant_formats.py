@@ -6,6 +6,7 @@ Used by ``yax.quantize`` and by ``yax.lora``'s merge on a quantized tree."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +164,6 @@ def _host_quantize(kernel, fmt: str, contracted: tuple, tile, stack: int,
   """``_quantize_kernel_jit`` for ``int8``/``int4`` in NumPy, the
   results put where ``kernel`` is."""
   w = np.asarray(kernel)
-  w = w if w.dtype == np.float32 else w.astype(np.float32)
   if perm is not None:
     w = np.transpose(w, perm)
   axes = tuple(stack + a for a in contracted)
@@ -182,22 +182,68 @@ def _host_quantize(kernel, fmt: str, contracted: tuple, tile, stack: int,
                            *moved.shape[stack + len(axes):])
     back = lambda x: np.transpose(x.reshape(moved.shape), np.argsort(order))
     reduce = (stack + 1,)
-  top = np.float32(FORMATS[fmt][1])
-  # Few passes over the kernel, in place where possible (rint: half to
-  # even, as jnp.round).
-  absmax = np.maximum(np.max(groups, axis=reduce, keepdims=True),
-                      -np.min(groups, axis=reduce, keepdims=True))
-  scale = np.where(absmax > 0, absmax / top, np.float32(1)).astype(np.float32)
-  x = groups / scale
-  np.rint(x, out=x)
-  codes = back(np.clip(x, -top, top, out=x))
+  codes, scale = _host_codes(groups, reduce, FORMATS[fmt][1],
+                             np.dtype(FORMATS[fmt][0]))
+  codes = back(codes)
   if perm is not None:
     codes = np.transpose(codes, np.argsort(perm))
-  codes = codes.astype(FORMATS[fmt][0])
   if isinstance(kernel, jax.Array):
     return (jax.device_put(codes, kernel.sharding),
             jax.device_put(scale, kernel.sharding))
   return jnp.asarray(codes), jnp.asarray(scale)
+
+
+# Elements of one block of ``_host_codes`` (float32: 256 KiB, within a
+# core's cache).
+_BLOCK = 1 << 16
+
+
+def _host_codes(groups: np.ndarray, reduce: tuple, top: float, dtype):
+  """The integer codes (of ``dtype``) and float32 scales of ``groups``,
+  one absmax scale per slice over the ``reduce`` axes: what
+  ``_codes(groups, fmt, reduce)`` computes, cast, bit for bit.
+
+  The codes are computed in blocks of leading rows, each block read from
+  memory once and its steps (divide, round, clip, cast) run in cache, and
+  divided by its scales laid out to its shape (NumPy divides by a
+  broadcast row several times slower).
+  """
+  top = np.float32(top)
+  w = groups if groups.dtype == np.float32 else groups.astype(np.float32)
+  m = np.maximum(np.max(w, axis=reduce, keepdims=True),
+                 -np.min(w, axis=reduce, keepdims=True))
+  scale = np.where(m > 0, m / top, np.float32(1)).astype(np.float32)
+  # Division and rounding keep order, so no code exceeds its absmax's: the
+  # clip changes nothing where that one is within +-top (a NaN or infinite
+  # absmax fails the test: clipped as before).
+  clip = not np.all(np.rint(m / scale) <= top)
+  codes = np.empty(w.shape, dtype)
+  n = w.shape[0] if w.ndim else 1
+  row = math.prod(w.shape[1:])
+  step = max(1, _BLOCK // row) if w.ndim and row else n
+  if step >= n:
+    blocks, shape = [...], w.shape
+  else:
+    blocks, shape = ([slice(i, i + step) for i in range(0, n, step)],
+                     (step, *w.shape[1:]))
+  x = np.empty(shape, np.float32)
+  scales = np.empty(shape, np.float32)
+  per_block = 0 not in reduce  # else one row of scales serves every row
+  if not per_block:
+    np.copyto(scales, scale)
+  for where in blocks:
+    block = w[where]
+    k = len(block) if w.ndim else 1
+    out, by = (x, scales) if k == len(x) or not w.ndim else (x[:k],
+                                                              scales[:k])
+    if per_block:
+      np.copyto(by, scale[where])
+    np.divide(block, by, out=out)
+    np.rint(out, out=out)  # half to even, as jnp.round
+    if clip:
+      np.clip(out, -top, top, out=out)
+    codes[where] = out
+  return codes, scale
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))

@@ -40,7 +40,7 @@ from lxml import etree
 from yax._src.errors import XPathError
 from yax._src.ir.nodes import Equation, Expr, Mox, Symbol
 from yax._src.ir.text import XML_BAD_CHAR, safe_repr
-from yax._src.views.serialize import xml_view
+from yax._src.views.serialize import module_calls_of_type, xml_view
 
 __all__ = ['query']
 
@@ -73,6 +73,11 @@ _CALL = re.compile(r'(?<![\w.\-])(?<![\w.\-]:)'
 _TOO_DEEP = ('the expression is nested too deeply for the Python stack '
              '(sys.getrecursionlimit())')
 _VARIABLE_NAME = re.compile(r'[A-Za-z_][\w.\-]*\Z')
+# The selection of every tool's examples, answered without the XML view
+# (building it is most of the first rewrite of a large tree): the type
+# name as a literal in double or single quotes.
+_TYPE_QUERY = re.compile(
+    r'//module_call\[@type=(?:"([^"]*)"|\'([^\']*)\')\]\Z')
 
 
 class _LimitExceeded(BaseException):
@@ -469,6 +474,13 @@ def query(expr: str, mox: Expr, *, variables: dict[str, Any] | None = None
     raise XPathError(
         f'expected an XPath expression (str), got {type(expr).__name__}: '
         f'{safe_repr(expr, 80)}')
+  by_type = _TYPE_QUERY.match(expr)
+  if by_type is not None and XML_BAD_CHAR.search(expr) is None:
+    name = by_type.group(1)
+    found = module_calls_of_type(mox, by_type.group(2) if name is None
+                                 else name)
+    _check_variables(variables)
+    return found
   compiled = compile_xpath(expr)
   view = xml_view(mox)
   variables = _check_variables(variables)

@@ -443,6 +443,29 @@ class _Builder:
     self.parts.append(f'</{tag}>')
 
 
+def module_calls_of_type(expr: Expr, type_name: str) -> list:
+  """What ``//module_call[@type="<type_name>"]`` selects in the XML view
+  of ``expr``, found without building the view: each module call whose
+  ``type`` attribute is ``type_name``, in document order.
+
+  It walks the nodes as :meth:`_Builder.node` writes them (a node, then
+  its children, equation bodies included); the root is ``expr`` itself.
+
+  Example::
+
+    dense = module_calls_of_type(mox, 'Dense')
+  """
+  _check_expr(expr)
+  found, stack = [], [expr]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, Mox) and node.module_ty is not None and \
+        escape_text(node.module_ty.__name__) == type_name:
+      found.append(node)
+    stack.extend(reversed(node.children))
+  return found
+
+
 def _body_key(key) -> str:
   if isinstance(key, tuple):
     return escape_text('/'.join(map(str, key)))
