@@ -519,8 +519,8 @@ def test_every_rewrite_against_the_library_forward(build):
     yax.check_mox(tree)
 
   trees = [(mox, model), (res.mox, res.params), (res.mox, trained),
-           (q.mox, q.params), (few, model)]
-  replay, lora_init, lora_trained, quant, few_out = _jitted_all(
+           (q.mox, q.params), (few, model), (cast, model)]
+  replay, lora_init, lora_trained, quant, few_out, cast_out = _jitted_all(
       [functools.partial(yax.eval_mox, t) for t, _ in trees],
       [p for _, p in trees], args)
   want, want_merged, want_quant = _jitted_all(
@@ -529,10 +529,6 @@ def test_every_rewrite_against_the_library_forward(build):
   np.testing.assert_allclose(lora_init, want, rtol=1e-5, atol=1e-5)  # B = 0
   np.testing.assert_allclose(lora_trained, want_merged, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(quant, want_quant, rtol=1e-4, atol=1e-5)
-  # cast runs eagerly: compiled with the rest on CPU, XLA stops at eqx-zoo
-  # Llama's bfloat16 x bfloat16 -> float32 dot ("Unsupported element type
-  # for DotThunk::Execute"), which it runs op by op.
-  cast_out = yax.eval_mox(cast, model, *args)
   assert cast_out.dtype == want.dtype and not np.array_equal(cast_out, want)
   np.testing.assert_allclose(cast_out, want,
                              atol=0.05 * float(jnp.abs(want).max()))
@@ -546,6 +542,45 @@ def test_every_rewrite_against_the_library_forward(build):
                         jax.tree_util.tree_leaves(want_grad), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(kp))
+
+
+class _LinearInBfloat16(eqx.Module):
+  """An ``eqx.nn.Linear`` computing in bfloat16 as a user writes it: its
+  weights and its input cast to bfloat16, its output cast back."""
+  linear: eqx.nn.Linear
+
+  def __call__(self, x):
+    low = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+        self.linear)
+    return low(x.astype(jnp.bfloat16)).astype(x.dtype)
+
+
+def test_cast_llama_linears_to_bfloat16_under_filter_jit():
+  # Cast replays an Equinox Linear's traced body: its dot_general, traced
+  # in float32, recorded preferred_element_type=float32, which the replay
+  # kept on bfloat16 operands. XLA:CPU (jaxlib 0.12) has no kernel for the
+  # down projection's bfloat16 x bfloat16 -> float32 dot (its transposed
+  # output folded in) and failed at run time ("Unsupported element type
+  # for DotThunk::Execute"). The tree now accumulates in bfloat16, as
+  # eqx.nn.Linear run on bfloat16 does: the same values as the library's
+  # model with each Linear computing in bfloat16 by hand.
+  model, args, fn, _, n_linear = _llama()
+  mox = _trace(fn, model, *args)
+  cast = yax.cast(mox, '//module_call[@type="Linear"]', 'bfloat16')
+  yax.check_mox(cast)
+  is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+  linears = lambda m: [x for x in jax.tree_util.tree_leaves(
+      m, is_leaf=is_linear) if is_linear(x)]
+  assert len(linears(model)) == n_linear
+  by_hand = eqx.tree_at(linears, model, replace_fn=_LinearInBfloat16)
+  got = eqx.filter_jit(functools.partial(yax.eval_mox, cast))(model, *args)
+  want = eqx.filter_jit(fn)(by_hand, *args)
+  full = eqx.filter_jit(fn)(model, *args)
+  assert got.dtype == full.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert not np.array_equal(got, full)  # bfloat16 rounding, within its error
+  np.testing.assert_allclose(got, full, atol=0.05 * float(jnp.abs(full).max()))
 
 
 # ---------------------------------------------------------------- esm2quinox

@@ -86,14 +86,35 @@ def _out_dtypes(node: Mox, output) -> list:
           for s in node.outputs]
 
 
+# Contractions whose ``preferred_element_type`` ``jnp`` sets to their
+# operands' dtype where the code asks for none: ``w @ x`` traced in float32
+# records float32, the same code run in bfloat16 records bfloat16.
+_ACCUMULATING = ('dot_general', 'conv_general_dilated', 'ragged_dot_general')
+
+
+def _accumulation(eqn: Equation, floats: list, dtype) -> dict:
+  """``eqn``'s params for float operands now at ``dtype``: a
+  ``preferred_element_type`` that was the traced operands' own dtype (the
+  default) becomes ``dtype``, as the module's code run at ``dtype`` would
+  record; one the code chose (float32 on bfloat16 operands) stays."""
+  preferred = eqn.params.get('preferred_element_type')
+  if eqn.prim.name not in _ACCUMULATING or preferred is None:
+    return eqn.params
+  traced = {jnp.dtype(s.aval.dtype) for _, s in floats}
+  if traced != {jnp.dtype(preferred)} or jnp.dtype(preferred) == dtype:
+    return eqn.params
+  return {**eqn.params, 'preferred_element_type': dtype}
+
+
 class _Promoting(_eval.Interpreter):
   """Runs a traced body on inputs of other float dtypes: an equation whose
   float operands now differ in dtype (a constant traced in float32 next to
   a bfloat16 value) gets them as ``jnp`` promotion would, constants taking
   the dtype of the values beside them (weakly typed, as Python scalars
-  are). An equation with a body of its own that calls no module (a
-  ``shard_map``, a ``jit``) gets them at the dtypes its body was traced
-  for, and computes as traced."""
+  are). A contraction that accumulated in its operands' traced dtype
+  accumulates in their new one. An equation with a body of its own that
+  calls no module (a ``shard_map``, a ``jit``) gets them at the dtypes its
+  body was traced for, and computes as traced."""
 
   def run_equation(self, eqn: Equation) -> None:
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
@@ -103,7 +124,12 @@ class _Promoting(_eval.Interpreter):
       return super().run_equation(eqn)
     values = {i: (s.value if isinstance(s, Literal) else self.read(s))
               for i, s in floats}
-    if len({jnp.dtype(v.dtype) for v in values.values()}) < 2:
+    computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
+    dtype = (jnp.result_type(*computed) if computed
+             else jnp.dtype(values[floats[0][0]].dtype))
+    params = _accumulation(eqn, floats, dtype)
+    if (len({jnp.dtype(v.dtype) for v in values.values()}) < 2
+        and params is eqn.params):
       return super().run_equation(eqn)
     if any(isinstance(p, (jex.Jaxpr, jex.ClosedJaxpr))
            for p in eqn.params.values()):
@@ -114,16 +140,13 @@ class _Promoting(_eval.Interpreter):
       run = lambda: jax.core.eval_jaxpr(_lower.one_equation_jaxpr(eqn), [],
                                         *args)
     else:
-      computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
-      dtype = (jnp.result_type(*computed) if computed
-               else jnp.dtype(values[floats[0][0]].dtype))
       target = dtype.name
       args = [self.read(s) for s in eqn.inputs]
       for i, _ in floats:
         args[i] = jnp.asarray(values[i]).astype(dtype)
 
       def run():
-        outs = eqn.prim.bind(*args, **eqn.params)
+        outs = eqn.prim.bind(*args, **params)
         return outs if eqn.prim.multiple_results else [outs]
     try:
       outs = run()
@@ -139,8 +162,10 @@ def _replayed(node: Mox, dtype, output=None, read_elsewhere=frozenset(),
               why: str | None = None) -> Mox:
   """A replacement for a call that cannot be rebuilt (an NNX module): its
   traced body run again on inputs and variables cast to ``dtype``, every
-  equation at the dtype promotion gives it (an explicit cast in the body
-  keeps its dtype); outputs cast back. ``why``: why a Linen module was
+  equation at the dtype promotion gives it, a contraction accumulating at
+  it where it accumulated at its operands' traced dtype (an explicit cast
+  in the body, an accumulation type the code chose, keep theirs); outputs
+  cast back. ``why``: why a Linen module was
   not traced again instead, kept as the new call's ``cast_replayed``.
 
   What the body reads from the enclosing body (a constant, a PRNG key)
