@@ -243,6 +243,40 @@ def test_nnx_cast_of_a_body_with_constants_promotes_them_as_jnp_does():
   assert got.dtype == jnp.float32
 
 
+class SiluFirst(nnx.Module):
+  """A body whose first equation is a ``jit`` (``jax.nn.silu``) reading
+  the call's input alone."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.lin(jax.nn.silu(x))
+
+
+def test_nnx_cast_runs_a_jit_body_at_its_traced_dtype():
+  # Failed before: the silu jit, traced for float32, was handed the
+  # bfloat16 input (check_mox: 'equation jit does not type-check'; eval:
+  # XLA's RuntimeProgramInputMismatch). It takes it as float32 now and
+  # computes as traced; the Linear then takes jnp's promotion of its
+  # float32 input and bfloat16 kernel.
+  model = SiluFirst(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  graphdef, state = nnx.split(model)
+  run = lambda s, x: nnx.merge(graphdef, s)(x)
+  mox = yax.make_mox(run)(state, x)
+  low = yax.cast(mox, '//module_call[@type="SiluFirst"]', 'bfloat16')
+  yax.check_mox(low)
+  got = yax.eval_mox(low, state, x)
+  rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+  h = x.astype(jnp.bfloat16).astype(jnp.float32)
+  h = h * (1 / (1 + np.exp(-np.asarray(h))))
+  want = h @ rounded(model.lin.kernel[...]) + rounded(model.lin.bias[...])
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert not np.allclose(got, model(x), rtol=1e-6, atol=1e-6)
+
+
 def test_cast_checks_its_arguments():
   x = jnp.ones((2, 4))
   linen = MLP()

@@ -120,19 +120,15 @@ class _Promoting(_eval.Interpreter):
     floats = [(i, s) for i, s in enumerate(eqn.inputs)
               if s.aval is not None and jnp.issubdtype(s.aval.dtype,
                                                        jnp.floating)]
-    if eqn.children or len(floats) < 2:
+    if eqn.children or not floats:
       return super().run_equation(eqn)
     values = {i: (s.value if isinstance(s, Literal) else self.read(s))
               for i, s in floats}
-    computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
-    dtype = (jnp.result_type(*computed) if computed
-             else jnp.dtype(values[floats[0][0]].dtype))
-    params = _accumulation(eqn, floats, dtype)
-    if (len({jnp.dtype(v.dtype) for v in values.values()}) < 2
-        and params is eqn.params):
-      return super().run_equation(eqn)
     if any(isinstance(p, (jex.Jaxpr, jex.ClosedJaxpr))
            for p in eqn.params.values()):
+      if all(jnp.dtype(values[i].dtype) == jnp.dtype(s.aval.dtype)
+             for i, s in floats):
+        return super().run_equation(eqn)
       target = 'the dtypes its body was traced for'
       args = [values[i].astype(s.aval.dtype) if i in values else self.read(s)
               for i, s in enumerate(eqn.inputs)
@@ -140,6 +136,15 @@ class _Promoting(_eval.Interpreter):
       run = lambda: jax.core.eval_jaxpr(_lower.one_equation_jaxpr(eqn), [],
                                         *args)
     else:
+      if len(floats) < 2:
+        return super().run_equation(eqn)
+      computed = [values[i] for i, s in floats if not isinstance(s, Literal)]
+      dtype = (jnp.result_type(*computed) if computed
+               else jnp.dtype(values[floats[0][0]].dtype))
+      params = _accumulation(eqn, floats, dtype)
+      if (len({jnp.dtype(v.dtype) for v in values.values()}) < 2
+          and params is eqn.params):
+        return super().run_equation(eqn)
       target = dtype.name
       args = [self.read(s) for s in eqn.inputs]
       for i, _ in floats:
