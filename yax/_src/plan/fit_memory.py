@@ -155,7 +155,8 @@ class MemoryPlan:
 class _Option:
   """A choice measured for one call path (``saved``/``flops`` per path);
   ``rows``: the report rows (paths) it changes. Two options conflict when
-  their rows meet."""
+  their rows meet (or they are the same rewrite of nested calls:
+  :func:`_meet`)."""
   path: tuple
   kind: str
   arg: object  # policy, bits or ratio
@@ -487,7 +488,7 @@ def _next_option(options, chosen: dict, key) -> _Option | None:
   for opt in options:
     if chosen.get(opt.path) is opt:
       continue
-    replaced = [o for o in chosen.values() if o.rows & opt.rows]
+    replaced = [o for o in chosen.values() if _meet(o, opt)]
     saved = opt.saved - sum(o.saved for o in replaced)
     if saved <= 0:
       continue
@@ -498,8 +499,17 @@ def _next_option(options, chosen: dict, key) -> _Option | None:
   return best
 
 
+def _meet(a: _Option, b: _Option) -> bool:
+  """Two options conflict when the report rows they change meet, or when
+  they are the same rewrite of nested calls (the outer one already
+  rewrites the inner call: a residual a scan keeps for its body is the
+  scan's row, not the body's)."""
+  return bool(a.rows & b.rows) or a.kind == b.kind and (
+      _inside(a.path, b.path) or _inside(b.path, a.path))
+
+
 def _take(chosen: dict, pick: _Option) -> None:
-  for p in [p for p, o in chosen.items() if o.rows & pick.rows]:
+  for p in [p for p, o in chosen.items() if _meet(o, pick)]:
     del chosen[p]
   chosen[pick.path] = pick
 
