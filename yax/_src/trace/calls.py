@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any
 
 import jax
 
 from yax._src.compat import get_opaque_trace_state
+from yax._src.errors import SubstitutionError
 from yax._src.trace import markers as _markers
 
 tree_flatten = jax.tree_util.tree_flatten
@@ -226,3 +228,39 @@ def _positional_tree(n: int):
   """The treedef of ``(args, kwargs)`` for ``n`` array arguments and no
   keyword arguments."""
   return jax.tree_util.tree_structure(((0,) * n, {}))
+
+
+def constructor_kwargs(cls, attributes: dict, *, rng: tuple[str, Any],
+                       where: str, system: str, remedy: str,
+                       skip: tuple[str, ...] = ()) -> dict:
+  """The keyword arguments that rebuild ``cls`` from a call's recorded
+  attributes, for ``init_params`` (NNX and Equinox frontends).
+
+  ``rng`` is the ``__init__`` parameter that takes randomness and its value
+  (``('rngs', nnx.Rngs(key))``, ``('key', key)``); ``skip`` names attributes
+  never passed on. A required parameter the trace did not record raises
+  :class:`SubstitutionError` naming ``where`` and ``remedy``.
+
+  Example: ``constructor_kwargs(eqx.nn.Linear, {'in_features': 2,
+  'out_features': 3}, rng=('key', key), where=..., system='Equinox',
+  remedy='make them fields of the module')``.
+  """
+  kwargs, missing = {}, []
+  signature = inspect.signature(cls.__init__)
+  for name, p in list(signature.parameters.items())[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+      continue
+    if name == rng[0]:
+      kwargs[name] = rng[1]
+    elif name in attributes and name not in skip:
+      kwargs[name] = attributes[name]
+    elif p.default is p.empty:
+      missing.append(name)
+  if missing:
+    raise SubstitutionError(
+        f'init_params: {where} is declared by the {system} module '
+        f'{cls.__name__}, whose __init__ needs {missing}, which the trace '
+        f'did not record (it recorded '
+        f'{sorted(k for k in attributes if k != "name")}); {remedy}, or '
+        'pass the variable in params')
+  return kwargs

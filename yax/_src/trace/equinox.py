@@ -36,11 +36,12 @@ from typing import Any
 import jax
 from jax import tree_util as jtu
 
-from yax._src.errors import SubstitutionError, YaxError
+from yax._src.errors import YaxError
 from yax._src.ir import containers as _containers
 from yax._src.ir.variables import key_name, variable_treedef
 from yax._src.trace import patching as _patching
-from yax._src.trace.calls import is_traced_value, marked_call
+from yax._src.trace.calls import (constructor_kwargs, is_traced_value,
+                                  marked_call)
 
 try:  # an optional module system: YAX works without Equinox installed
   import equinox as eqx
@@ -422,24 +423,9 @@ def init_variables(cls: type, attributes: dict, key, where: str) -> dict:
                      "params['PReLU_0']['negative_slope']")
       # {'negative_slope': Array([0.25], dtype=float32)}
   """
-  signature = inspect.signature(cls.__init__)
-  kwargs, missing = {}, []
-  for name, p in list(signature.parameters.items())[1:]:
-    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-      continue
-    if name == 'key':
-      kwargs['key'] = key
-    elif name in attributes and name != 'name':
-      kwargs[name] = attributes[name]
-    elif p.default is p.empty:
-      missing.append(name)
-  if missing:
-    raise SubstitutionError(
-        f'init_params: {where} is declared by the Equinox module '
-        f'{cls.__name__}, whose __init__ needs {missing}, which the trace '
-        'did not record (it recorded '
-        f'{sorted(k for k in attributes if k != "name")}); make them fields '
-        'of the module, or pass the variable in params')
+  kwargs = constructor_kwargs(
+      cls, attributes, rng=('key', key), where=where, system='Equinox',
+      remedy='make them fields of the module', skip=('name',))
   module = cls(**kwargs)
   return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
           if eqx.is_array(getattr(module, f.name, None))}

@@ -9,16 +9,15 @@ metadata), and grouping a call's variables as the summary shows them."""
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import numpy as np
 from jax import tree_util as jtu
 
-from yax._src.errors import SubstitutionError, YaxError
+from yax._src.errors import YaxError
 from yax._src.ir.variables import (VariableTree, is_variable_treedef, key_name,
                                    variable_treedef)
-from yax._src.trace.calls import is_traced_value
+from yax._src.trace.calls import constructor_kwargs, is_traced_value
 from yax._src.trace.nnx_graph import is_variable, raw_value
 
 try:  # flax.nnx is part of every supported Flax; stay importable without it
@@ -258,24 +257,9 @@ def init_variables(cls: type, attributes: dict, key, where: str):
   Example: ``init_variables(nnx.Linear, {'in_features': 2,
   'out_features': 3}, key, where)['kernel']``.
   """
-  signature = inspect.signature(cls.__init__)
-  kwargs, missing = {}, []
-  for name, p in list(signature.parameters.items())[1:]:
-    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-      continue
-    if name == 'rngs':
-      kwargs['rngs'] = nnx.Rngs(key)
-    elif name in attributes:
-      kwargs[name] = attributes[name]
-    elif p.default is p.empty:
-      missing.append(name)
-  if missing:
-    raise SubstitutionError(
-        f'init_params: {where} is declared by the NNX module {cls.__name__}, '
-        f'whose __init__ needs {missing}, which the trace did not record '
-        f'(it recorded {sorted(k for k in attributes if k != "name")}); '
-        'store them as attributes of the module, or pass the variable in '
-        'params')
+  kwargs = constructor_kwargs(
+      cls, attributes, rng=('rngs', nnx.Rngs(key)), where=where, system='NNX',
+      remedy='store them as attributes of the module')
   return nnx.state(cls(**kwargs))
 
 
