@@ -47,7 +47,9 @@ from typing import Callable, Sequence
 import jax
 
 from yax._src.errors import SubstitutionError
-from yax._src.ir.nodes import Mox, iter_nodes
+from yax._src.ir import lower as _lower
+from yax._src.ir.nodes import Literal, Mox, iter_nodes, leaf_equations
+from yax._src.report import flops as _flops
 from yax._src.report.memory import MemoryReport, step_memory
 from yax._src.tools.fewbit import BITS, fewbit
 from yax._src.tools.lean_norm import lean_norm
@@ -63,6 +65,21 @@ CHOICES = ('lean_norm', 'remat', 'fewbit', 'randomized')
 _MEASURED: list = []
 # The exact choices (gradients equal the original's within float rounding).
 EXACT = ('lean_norm', 'remat')
+# At most this many nested save sets are measured per rematerialized call.
+SAVE_SETS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Saves:
+  """What a rematerialized call keeps besides its inputs: the values its
+  body tags with ``checkpoint_name`` (``names``) and the outputs of the
+  module calls under it (``calls``: paths relative to the call)."""
+  names: tuple[str, ...] = ()
+  calls: tuple[tuple[str, ...], ...] = ()
+
+  def __str__(self) -> str:
+    return 'save: ' + ','.join([*self.names,
+                                *('/'.join(c) for c in self.calls)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +89,8 @@ class PlanRow:
   Attributes:
     path: the call's path (``a/b``; ``<Type>`` for the call at the root).
     choice: ``lean_norm``, ``remat``, ``remat(dots_saveable)``,
+      ``remat(save: query_proj,mlp/wo)`` (remat that also keeps these
+      ``checkpoint_name`` tags and these module calls' outputs),
       ``fewbit(3 bits)`` or ``randomized(0.5)``.
     before: bytes the call and its submodules kept before the plan.
     after: bytes they keep in the planned tree.
@@ -104,8 +123,9 @@ class MemoryPlan:
     takes_sketch_key: True when a call is randomized.
     report: the ``memory_report`` of the planned tree.
     steps: the choices as ``(path, kind, argument)`` (kind ``lean_norm``,
-      ``remat``, ``fewbit``, ``randomized``; argument the policy, bits or
-      ratio), in the order :meth:`apply` makes them.
+      ``remat``, ``fewbit``, ``randomized``; argument the policy (or a
+      :class:`Saves`), bits or ratio), in the order :meth:`apply` makes
+      them.
   """
   mox: Mox
   table: tuple[PlanRow, ...]
@@ -136,10 +156,11 @@ class MemoryPlan:
 
   def __str__(self) -> str:
     width = max([len(r.path) for r in self.table] + [12])
-    lines = [f'{"module call":<{width}}  {"choice":<22}  {"kept before":>12}'
-             f'  {"kept after":>12}  {"added FLOPs":>13}']
+    wide = max([len(r.choice) for r in self.table] + [22])
+    lines = [f'{"module call":<{width}}  {"choice":<{wide}}  '
+             f'{"kept before":>12}  {"kept after":>12}  {"added FLOPs":>13}']
     for r in self.table:
-      lines.append(f'{r.path:<{width}}  {r.choice:<22}  {r.before:>12,}  '
+      lines.append(f'{r.path:<{width}}  {r.choice:<{wide}}  {r.before:>12,}  '
                    f'{r.after:>12,}  {r.added_flops:>13,}')
     base = max(self.baseline, 1)
     lines.append(
@@ -198,6 +219,12 @@ def _apply(tree: Mox, kind: str, arg, paths) -> Mox:
   nodes = [n for p in paths for n in _calls_at(tree, p)]
   if kind == 'lean_norm':
     return lean_norm(tree, nodes)
+  if kind == 'remat' and isinstance(arg, Saves):
+    policy = (jax.checkpoint_policies.save_only_these_names(*arg.names)
+              if arg.names else None)
+    save = [n for p in paths for c in arg.calls
+            for n in _calls_at(tree, p + c)]
+    return remat(tree, nodes, policy=policy, save=save or None)
   if kind == 'remat':
     return remat(tree, nodes, policy=arg)
   if kind == 'fewbit':
@@ -364,11 +391,8 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   chosen: dict = {}
   shift = 0
   for _ in range(len(options) + 1):
-    while _estimate(base_report, chosen) + shift > limit:
-      pick = _next_option(options, chosen, _cheapest)
-      if pick is None:
-        break
-      _take(chosen, pick)
+    if _estimate(base_report, chosen) + shift > limit:
+      chosen = _fill(options, chosen, base_report, limit - shift)
     tree, report, flops = check(chosen)
     checked.append((report.training, dict(chosen), tree, report, flops))
     if report.training <= limit or \
@@ -432,9 +456,12 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
     else:
       tries.append(('lean_norm', None))
   before = {_row_path(r.path): r.bytes for r in base_report.rows}
+  calls = _by_path(mox)
   out = []
   for paths in split:
-    for kind, arg in tries:
+    saves = [('remat', s) for s in _save_sets(calls[paths[0]][0])] \
+        if 'remat' in choices else []
+    for kind, arg in tries + saves:
       if kind == 'lean_norm' and types[paths[0]] not in ('LayerNorm',
                                                          'RMSNorm'):
         continue
@@ -460,6 +487,102 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
         rows = {r for r in before if _inside(r, p)} if kind == 'remat' \
             else {r for r in changed if _inside(r, p)}
         out.append(_Option(p, kind, arg, saved, added, frozenset(rows | {p})))
+  return out
+
+
+# Primitives whose backward pass reads none of their inputs' values.
+_LINEAR = frozenset((
+    'add', 'sub', 'neg', 'reshape', 'broadcast_in_dim', 'transpose',
+    'squeeze', 'expand_dims', 'convert_element_type', 'copy', 'copy_p',
+    'name', 'reduce_sum', 'concatenate', 'slice', 'dynamic_slice', 'pad',
+    'select_n', 'rev', 'add_any'))
+
+
+def _save_sets(call: Mox) -> list[Saves]:
+  """A few nested sets of values for a rematerialized ``call`` to keep:
+  its ``checkpoint_name`` tags and the outputs of the module calls under
+  it, ranked by the FLOPs a save spares per byte it keeps (the FLOPs of
+  what computes the value back to the call's inputs or the nearest matmul
+  or convolution, which the save spares from the recompute), and cut
+  into at most ``SAVE_SETS`` cumulative sets. A value that is an input or
+  an output of the call, that is no float, or that no FLOP computes, is
+  no candidate.
+
+  Example: a block tagging ``up_proj`` (a matmul of 2 x 8 FLOPs per
+  element) and calling ``ln`` (a few FLOPs per element) gives
+  ``[Saves(('up_proj',)), Saves(('up_proj',), (('ln',),))]``.
+  """
+  eqns = list(leaf_equations(call))
+  producer = {o: e for e in eqns for o in e.outputs}
+  ends = {s for s in (*call.inputs, *call.outputs)
+          if not isinstance(s, Literal)}
+
+  def cone_flops(values) -> int:
+    seen, total, stack = set(), 0, list(values)
+    while stack:
+      e = producer.get(stack.pop())
+      if e is None or id(e) in seen:
+        continue
+      seen.add(id(e))
+      total += _flops.equation_flops(
+          e.prim.name, [s.aval for s in e.inputs],
+          [s.aval for s in e.outputs], _lower.equation_params(e))
+      if e.prim.name not in ('dot_general', 'conv_general_dilated'):
+        stack += [s for s in e.inputs if not isinstance(s, Literal)]
+    return total
+
+  readers: dict = {}
+  for e in eqns:
+    for s in e.inputs:
+      if not isinstance(s, Literal):
+        readers.setdefault(s, []).append(e)
+
+  def read_back(values) -> bool:
+    """Whether the backward pass reads a value: some equation reading
+    it (through linear ones) is not linear in it."""
+    seen, stack = set(), list(values)
+    while stack:
+      for e in readers.get(stack.pop(), ()):
+        if e.prim.name not in _LINEAR:
+          return True
+        if id(e) not in seen:
+          seen.add(id(e))
+          stack += e.outputs
+    return False
+
+  tagged: dict = {}  # name -> the values it tags
+  for e in eqns:
+    name = e.params.get('name') if e.prim.name == 'name' else None
+    if isinstance(name, str) and not name.startswith('yax.'):
+      tagged.setdefault(name, []).append(e.inputs[0])
+  found: dict = {}  # values -> (name, relative call path)
+  for name, values in tagged.items():
+    found.setdefault(tuple(values), (name, None))
+  covered = {s for values in tagged.values() for s in values}
+  for node in iter_nodes(call):
+    if isinstance(node, Mox) and node is not call and \
+        not node.is_ephemeral and node.path[:len(call.path)] == call.path:
+      values = tuple(s for s in node.outputs if not isinstance(s, Literal))
+      if not covered.issuperset(values):  # not a tagged value again
+        found.setdefault(values, (None, node.path[len(call.path):]))
+  ranked = []
+  for values, (name, rel) in found.items():
+    if not values or any(s in ends or s.aval is None or not jax.numpy.issubdtype(
+        s.aval.dtype, jax.numpy.floating) for s in values):
+      continue
+    kept = sum(s.aval.size * s.aval.dtype.itemsize for s in values)
+    spared = cone_flops(values)
+    if spared > 0 and read_back(values):
+      ranked.append((-spared / kept, len(ranked), name, rel))
+  ranked.sort()
+  n = len(ranked)
+  sizes = sorted({max(1, round(k * n / SAVE_SETS))
+                  for k in range(1, SAVE_SETS + 1)}) if n else []
+  out = []
+  for size in sizes:
+    top = ranked[:size]
+    out.append(Saves(tuple(name for *_, name, rel in top if name),
+                     tuple(rel for *_, name, rel in top if rel)))
   return out
 
 
@@ -512,6 +635,42 @@ def _take(chosen: dict, pick: _Option) -> None:
   for p in [p for p, o in chosen.items() if _meet(o, pick)]:
     del chosen[p]
   chosen[pick.path] = pick
+
+
+def _fill(options, chosen: dict, base_report: MemoryReport,
+          target: int) -> dict:
+  """Options added to ``chosen`` until the estimate is at most ``target``,
+  at the least added FLOPs found: the cheapest per byte saved, one after
+  the other, or first any one option that reaches ``target`` by itself
+  (then the cheapest per byte), whichever adds the fewest FLOPs (below
+  zero counting as zero), then the least gradient error, then the least
+  memory. The cheapest per byte alone can overshoot: remat of a whole
+  stack where remat of each layer keeping its projections would do.
+  When nothing reaches ``target``, the cheapest per byte to the end."""
+
+  def run(start: dict) -> dict:
+    out = dict(start)
+    while _estimate(base_report, out) > target:
+      pick = _next_option(options, out, _cheapest)
+      if pick is None:
+        break
+      _take(out, pick)
+    return out
+
+  tries = [run(chosen)]
+  for opt in options:
+    if chosen.get(opt.path) is opt:
+      continue
+    start = dict(chosen)
+    _take(start, opt)
+    if _estimate(base_report, start) <= target:
+      tries.append(start)
+  met = [c for c in tries if _estimate(base_report, c) <= target]
+  if not met:
+    return tries[0]
+  return min(met, key=lambda c: (
+      sum(max(o.flops, 0) for o in c.values()),
+      sum(o.rank for o in c.values()), _estimate(base_report, c)))
 
 
 def _greedy(options, chosen: dict, key) -> dict:
