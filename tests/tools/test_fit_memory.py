@@ -271,3 +271,46 @@ def test_same_rewrite_of_nested_calls_is_chosen_once():
       plan.memory <= least < baseline
   np.testing.assert_allclose(yax.eval_mox(plan.mox, variables, x),
                              top.apply(variables, x), rtol=1e-5, atol=1e-5)
+
+
+class NamedBlock(nn.Module):
+  """Block with its up projection tagged, as MaxText tags its projections."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name='ln')(x)
+    h = jax.ad_checkpoint.checkpoint_name(nn.Dense(32, name='up')(h),
+                                          'up_proj')
+    return x + nn.Dense(8, name='down')(jax.nn.gelu(h))
+
+
+def test_tight_budget_keeps_a_named_value_with_less_recompute_than_remat():
+  # Before: remat offered only whole-call policies, so a budget below
+  # "keep the up projection" ended at remat of every block (or of the
+  # whole net), recomputing the projections too.
+  net = Net(block=NamedBlock)
+  plain = lambda p: out_loss(net.apply(p, X))
+  # The references, written by hand: every block under nn.remat, keeping
+  # nothing, or keeping the tagged value.
+  every = Net(block=nn.remat(NamedBlock))
+  keep_up = Net(block=nn.remat(
+      NamedBlock,
+      policy=jax.checkpoint_policies.save_only_these_names('up_proj')))
+  every_loss = lambda p: out_loss(every.apply(p, X))
+  keep_up_loss = lambda p: out_loss(keep_up.apply(p, X))
+  baseline = training_memory(plain, VARS)
+  every_memory = training_memory(every_loss, VARS)
+  budget = training_memory(keep_up_loss, VARS)
+  assert every_memory < budget < baseline
+
+  mox = yax.make_mox(net.apply)(VARS, X)
+  plan = yax.fit_memory(mox, out_loss, budget=budget, choices=('remat',),
+                        policies=(None,))
+  check_rewrite(plan.mox)
+  planned = lambda p: out_loss(yax.eval_mox(plan.mox, p, X))
+  assert training_memory(planned, VARS) == plan.memory <= budget
+  assert any('save: up_proj' in r.choice for r in plan.table), str(plan)
+  assert_trees_close(jax.grad(planned)(VARS), jax.grad(plain)(VARS),
+                     rtol=1e-5, atol=1e-5)
+  # Less recompute than remat of every block, which fits the budget too.
+  assert xla_flops(planned, VARS) < xla_flops(every_loss, VARS)

@@ -8,8 +8,12 @@ the memory rewrites (its *choices*):
 * ``lean_norm``: a Linen LayerNorm/RMSNorm keeps its input and per-row
   statistics (exact gradients, no recompute);
 * ``remat``: the call runs under ``jax.checkpoint``, keeping only its inputs
-  (``remat``) or also its matmul outputs (``remat(dots_saveable)``); exact
-  gradients, its forward pass is recomputed;
+  (``remat``), also its matmul outputs (``remat(dots_saveable)``), or also
+  a set of values inside it (``remat(save: query_proj,mlp/wo)``: the
+  values its code tags with ``checkpoint_name`` and the outputs of module
+  calls under it, ranked by the FLOPs a save spares per byte it keeps and
+  offered as up to ``SAVE_SETS`` nested sets); exact gradients, its
+  forward pass is recomputed but for what it keeps;
 * ``fewbit``: the activations inside the call keep ``bits``-bit codes
   (approximate gradients, almost no added compute);
 * ``randomized``: a linear call keeps a count sketch of ``ratio`` of its
@@ -31,7 +35,9 @@ call). The greedy loop then takes, while the
 estimate is above the budget, the choice of the least added FLOPs per byte
 saved (an exact one before an approximate one at equal cost; a choice
 replaces those whose report rows it changes when it saves more than they
-do), and checks the rewritten tree with ``memory_report``; when the check
+do), unless one choice meets the budget by itself with fewer added FLOPs
+than that sequence (so a tight budget gets remat of each layer keeping
+some projections rather than remat of the whole stack), and checks the rewritten tree with ``memory_report``; when the check
 is over the budget, the loop goes on from the measured memory. When the
 cheap choices run out, the choices that save the most bytes (taken
 greedily by bytes) are checked the same way; a budget below every checked
@@ -66,7 +72,7 @@ _MEASURED: list = []
 # The exact choices (gradients equal the original's within float rounding).
 EXACT = ('lean_norm', 'remat')
 # At most this many nested save sets are measured per rematerialized call.
-SAVE_SETS = 4
+SAVE_SETS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +301,9 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   - ``bits``: the fewbit widths tried; ``ratio``: the randomized ratio
     (one for every sketched call: the tree takes one ``sketch_key``);
     ``policies``: the remat policies tried (``None`` keeps only the call's
-    inputs).
+    inputs). With ``'remat'`` the planner also tries remat keeping nested
+    sets of the call's ``checkpoint_name`` tags and inner calls' outputs
+    (see the module doc).
 
   **Returns:** a :class:`MemoryPlan`: ``.mox`` (the rewritten tree: it
   takes ``sketch_key=`` when ``.takes_sketch_key``), ``.table`` (per
@@ -490,12 +498,14 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
   return out
 
 
-# Primitives whose backward pass reads none of their inputs' values.
+# Primitives whose output is their input's value seen another way.
+_VIEWS = frozenset((
+    'reshape', 'broadcast_in_dim', 'transpose', 'squeeze', 'expand_dims',
+    'convert_element_type', 'copy', 'copy_p', 'name', 'sharding_constraint'))
+# Primitives linear in each input: their backward pass reads no input.
 _LINEAR = frozenset((
-    'add', 'sub', 'neg', 'reshape', 'broadcast_in_dim', 'transpose',
-    'squeeze', 'expand_dims', 'convert_element_type', 'copy', 'copy_p',
-    'name', 'reduce_sum', 'concatenate', 'slice', 'dynamic_slice', 'pad',
-    'select_n', 'rev', 'add_any'))
+    'add', 'sub', 'neg', 'reduce_sum', 'concatenate', 'slice',
+    'dynamic_slice', 'pad', 'rev', 'add_any'))
 
 
 def _save_sets(call: Mox) -> list[Saves]:
@@ -538,16 +548,16 @@ def _save_sets(call: Mox) -> list[Saves]:
         readers.setdefault(s, []).append(e)
 
   def read_back(values) -> bool:
-    """Whether the backward pass reads a value: some equation reading
-    it (through linear ones) is not linear in it."""
+    """Whether the backward pass may read a value: some equation
+    reading it (or a view of it) is not linear in it."""
     seen, stack = set(), list(values)
     while stack:
       for e in readers.get(stack.pop(), ()):
-        if e.prim.name not in _LINEAR:
-          return True
-        if id(e) not in seen:
+        if e.prim.name in _VIEWS and id(e) not in seen:
           seen.add(id(e))
           stack += e.outputs
+        elif e.prim.name not in _VIEWS and e.prim.name not in _LINEAR:
+          return True
     return False
 
   tagged: dict = {}  # name -> the values it tags
@@ -555,18 +565,21 @@ def _save_sets(call: Mox) -> list[Saves]:
     name = e.params.get('name') if e.prim.name == 'name' else None
     if isinstance(name, str) and not name.startswith('yax.'):
       tagged.setdefault(name, []).append(e.inputs[0])
-  found: dict = {}  # values -> (name, relative call path)
-  for name, values in tagged.items():
-    found.setdefault(tuple(values), (name, None))
   covered = {s for values in tagged.values() for s in values}
+  outputs: dict = {}  # relative path -> the outputs of the calls there
   for node in iter_nodes(call):
-    if isinstance(node, Mox) and node is not call and \
-        not node.is_ephemeral and node.path[:len(call.path)] == call.path:
-      values = tuple(s for s in node.outputs if not isinstance(s, Literal))
-      if not covered.issuperset(values):  # not a tagged value again
-        found.setdefault(values, (None, node.path[len(call.path):]))
+    if isinstance(node, Mox) and not node.is_ephemeral and \
+        len(node.path) > len(call.path) and \
+        node.path[:len(call.path)] == call.path:
+      outputs.setdefault(node.path[len(call.path):], []).extend(
+          s for s in node.outputs if not isinstance(s, Literal))
+  found = {(name, None): tuple(dict.fromkeys(values))
+           for name, values in tagged.items()}
+  for rel, values in outputs.items():
+    if not covered.issuperset(values):  # not a tagged value again
+      found[None, rel] = tuple(dict.fromkeys(values))
   ranked = []
-  for values, (name, rel) in found.items():
+  for (name, rel), values in found.items():
     if not values or any(s in ends or s.aval is None or not jax.numpy.issubdtype(
         s.aval.dtype, jax.numpy.floating) for s in values):
       continue
@@ -575,6 +588,15 @@ def _save_sets(call: Mox) -> list[Saves]:
     if spared > 0 and read_back(values):
       ranked.append((-spared / kept, len(ranked), name, rel))
   ranked.sort()
+  # remat saves no call together with a call under it: the better ranked.
+  rels: list = []
+  for i, (*_, name, rel) in enumerate(list(ranked)):
+    if rel is not None and any(_inside(rel, r) or _inside(r, rel)
+                               for r in rels):
+      ranked[i] = None
+    elif rel is not None:
+      rels.append(rel)
+  ranked = [r for r in ranked if r is not None]
   n = len(ranked)
   sizes = sorted({max(1, round(k * n / SAVE_SETS))
                   for k in range(1, SAVE_SETS + 1)}) if n else []
@@ -641,12 +663,11 @@ def _fill(options, chosen: dict, base_report: MemoryReport,
           target: int) -> dict:
   """Options added to ``chosen`` until the estimate is at most ``target``,
   at the least added FLOPs found: the cheapest per byte saved, one after
-  the other, or first any one option that reaches ``target`` by itself
-  (then the cheapest per byte), whichever adds the fewest FLOPs (below
-  zero counting as zero), then the least gradient error, then the least
-  memory. The cheapest per byte alone can overshoot: remat of a whole
-  stack where remat of each layer keeping its projections would do.
-  When nothing reaches ``target``, the cheapest per byte to the end."""
+  the other, or any one option that reaches ``target`` by itself,
+  whichever adds the fewest FLOPs, then the least gradient error, then
+  the least memory. The cheapest per byte alone can overshoot: remat of
+  a whole stack where remat of each layer keeping its projections would
+  do. When nothing reaches ``target``, the cheapest per byte to the end."""
 
   def run(start: dict) -> dict:
     out = dict(start)
@@ -669,7 +690,7 @@ def _fill(options, chosen: dict, base_report: MemoryReport,
   if not met:
     return tries[0]
   return min(met, key=lambda c: (
-      sum(max(o.flops, 0) for o in c.values()),
+      sum(o.flops for o in c.values()),
       sum(o.rank for o in c.values()), _estimate(base_report, c)))
 
 
