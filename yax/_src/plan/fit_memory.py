@@ -194,7 +194,7 @@ class _Option:
   @property
   def label(self) -> str:
     if self.kind == 'remat':
-      return 'remat' if self.arg is None else f'remat({self.arg})'
+      return 'remat' if self.arg in (None, Saves()) else f'remat({self.arg})'
     if self.kind == 'fewbit':
       return f'fewbit({self.arg} bits)'
     if self.kind == 'randomized':
@@ -467,26 +467,27 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
   calls = _by_path(mox)
   out = []
   for paths in split:
-    saves = [('remat', s) for s in _save_sets(calls[paths[0]][0])] \
-        if 'remat' in choices else []
-    for kind, arg in tries + saves:
+
+    def add(kind, arg) -> tuple[int, int] | None:
+      """Measures one choice on ``paths``; adds its options and returns
+      ``(saved, added)`` per path, or None when it does not apply."""
       if kind == 'lean_norm' and types[paths[0]] not in ('LayerNorm',
                                                          'RMSNorm'):
-        continue
+        return None
       if kind != 'randomized' and not any(
           b for r, b in before.items() if _inside(r, paths[0])):
-        continue  # the call keeps nothing: only a sketch saves (its input)
+        return None  # the call keeps nothing: only a sketch saves (its input)
       try:
         tree = _apply(mox, kind, arg, paths)
       except SubstitutionError:
         # The tool refuses these calls (no activation for fewbit, no
         # kernel contraction for randomized, an unsupported norm): the
         # choice does not apply to them.
-        continue
+        return None
       report, flops = measure(tree, kind == 'randomized')
       saved = (base_report.total - report.total) // len(paths)
       if saved <= 0:
-        continue
+        return None
       added = (flops - base_flops) // len(paths)
       after = {_row_path(r.path): r.bytes for r in report.rows}
       changed = {r for r, b in before.items() if after.get(r) != b}
@@ -495,6 +496,38 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
         rows = {r for r in before if _inside(r, p)} if kind == 'remat' \
             else {r for r in changed if _inside(r, p)}
         out.append(_Option(p, kind, arg, saved, added, frozenset(rows | {p})))
+      return saved, added
+
+    measured = {}  # remat policy -> (saved, added)
+    for kind, arg in tries:
+      got = add(kind, arg)
+      if kind == 'remat':
+        measured[arg] = got
+    singles = _save_candidates(calls[paths[0]][0]) \
+        if 'remat' in choices else []
+    if not singles:
+      continue
+    # Each value kept alone, against remat keeping nothing: the FLOPs it
+    # spares per byte it keeps ranks it; the nested sets are the best
+    # ranked one, two, ... (at most SAVE_SETS of them).
+    plain = measured[None] if None in measured else \
+        add('remat', Saves()) if 'remat' in choices else None
+    if plain is None:
+      continue
+    ranked = []
+    for single in singles:
+      got = add('remat', single)
+      if got is not None and plain[0] > got[0] and plain[1] > got[1]:
+        ranked.append(((plain[1] - got[1]) / (plain[0] - got[0]),
+                       len(ranked), single))
+    ranked.sort(key=lambda r: (-r[0], r[1]))
+    n = len(ranked)
+    sizes = sorted({max(2, round(k * n / SAVE_SETS))
+                    for k in range(1, SAVE_SETS + 1)} - {1}) if n > 1 else []
+    for size in sizes:
+      top = [r[2] for r in ranked[:size]]
+      add('remat', Saves(tuple(x for t in top for x in t.names),
+                         tuple(x for t in top for x in t.calls)))
   return out
 
 
@@ -508,19 +541,17 @@ _LINEAR = frozenset((
     'dynamic_slice', 'pad', 'rev', 'add_any'))
 
 
-def _save_sets(call: Mox) -> list[Saves]:
-  """A few nested sets of values for a rematerialized ``call`` to keep:
-  its ``checkpoint_name`` tags and the outputs of the module calls under
-  it, ranked by the FLOPs a save spares per byte it keeps (the FLOPs of
-  what computes the value back to the call's inputs or the nearest matmul
-  or convolution, which the save spares from the recompute), and cut
-  into at most ``SAVE_SETS`` cumulative sets. A value that is an input or
-  an output of the call, that is no float, or that no FLOP computes, is
-  no candidate.
+def _save_candidates(call: Mox) -> list[Saves]:
+  """The values a rematerialized ``call`` may keep, one :class:`Saves`
+  each: its ``checkpoint_name`` tags and the outputs of the module calls
+  under it (no call together with a call under it), ordered by the FLOPs
+  of what computes the value back to the call's inputs or the nearest
+  matmul or convolution, per byte. A value that is an input or an output
+  of the call, no float, computed by no FLOP, or read by no equation
+  that is not linear in it (so no backward pass reads it), is left out.
 
-  Example: a block tagging ``up_proj`` (a matmul of 2 x 8 FLOPs per
-  element) and calling ``ln`` (a few FLOPs per element) gives
-  ``[Saves(('up_proj',)), Saves(('up_proj',), (('ln',),))]``.
+  Example: a block tagging ``up_proj`` (a matmul's output) and calling
+  ``ln`` gives ``[Saves(('up_proj',)), Saves(calls=(('ln',),))]``.
   """
   eqns = list(leaf_equations(call))
   producer = {o: e for e in eqns for o in e.outputs}
@@ -589,22 +620,13 @@ def _save_sets(call: Mox) -> list[Saves]:
       ranked.append((-spared / kept, len(ranked), name, rel))
   ranked.sort()
   # remat saves no call together with a call under it: the better ranked.
-  rels: list = []
-  for i, (*_, name, rel) in enumerate(list(ranked)):
-    if rel is not None and any(_inside(rel, r) or _inside(r, rel)
-                               for r in rels):
-      ranked[i] = None
-    elif rel is not None:
+  out, rels = [], []
+  for *_, name, rel in ranked:
+    if rel is None:
+      out.append(Saves(names=(name,)))
+    elif not any(_inside(rel, r) or _inside(r, rel) for r in rels):
       rels.append(rel)
-  ranked = [r for r in ranked if r is not None]
-  n = len(ranked)
-  sizes = sorted({max(1, round(k * n / SAVE_SETS))
-                  for k in range(1, SAVE_SETS + 1)}) if n else []
-  out = []
-  for size in sizes:
-    top = ranked[:size]
-    out.append(Saves(tuple(name for *_, name, rel in top if name),
-                     tuple(rel for *_, name, rel in top if rel)))
+      out.append(Saves(calls=(rel,)))
   return out
 
 
