@@ -150,6 +150,7 @@ class _Norm:
   bias: int | None
   offset: float = 0.0
   out_dtype: object = None
+  x: int = 0  # the input's position among the call's arguments
 
 
 def _last_axis(value) -> bool:
@@ -161,6 +162,8 @@ def _norm(node) -> _Norm | str:
   if not isinstance(node, Mox) or node.is_ephemeral:
     return 'it is not a module call'
   kind = _kind(node.module_ty)
+  if kind is None:  # another library's norm: read from what it computes
+    return _read(node)
   if node.rewritten:
     return ('another rewrite changed its variables (rewritten="true"); '
             'lean_norm reads a norm\'s own scale and bias')
@@ -174,15 +177,6 @@ def _norm(node) -> _Norm | str:
   x = node.arg_inputs[0]
   if isinstance(x, Literal) or not getattr(x.aval, 'shape', ()):
     return 'its argument is not a traced array with a feature axis'
-  if kind is None:  # another library's norm: read from what it computes
-    if any(isinstance(c, Mox) for c in node.children):
-      return ('it calls other modules; a norm computes its output from its '
-              'input and variables alone')
-    read = _body.read_norm(node)
-    if isinstance(read, str):
-      return read
-    return _Norm(read.rms, read.eps, False, read.scale, read.bias,
-                 read.offset, jnp.dtype(node.outputs[0].aval.dtype))
   system, rms = kind
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
@@ -228,6 +222,26 @@ def _norm(node) -> _Norm | str:
                names.index('bias') if use_bias else None)
 
 
+def _read(node: Mox) -> _Norm | str:
+  """The settings of a call of another class, read from its body (its
+  static arguments, such as MaxText's ``out_sharding``, are left out)."""
+  if node.rewritten:
+    return ('another rewrite changed its variables (rewritten="true"); '
+            'lean_norm reads a norm\'s own scale and bias')
+  if 'compute_dtype' in node.params:
+    return (f'yax.cast made it compute in {node.params["compute_dtype"]}; '
+            'lean_norm computes in float32 and would drop that (leave norms '
+            'out of the cast)')
+  if any(isinstance(c, Mox) for c in node.children):
+    return ('it calls other modules; a norm computes its output from its '
+            'input and variables alone')
+  read = _body.read_norm(node)
+  if isinstance(read, str):
+    return read
+  return _Norm(read.rms, read.eps, False, read.scale, read.bias,
+               read.offset, jnp.dtype(node.outputs[0].aval.dtype), read.x)
+
+
 def _variable_names(node: Mox) -> list | None:
   """The name of each variable input of a norm call, in input order (an
   NNX or Equinox call's top-level names; a Linen call's names in
@@ -255,9 +269,13 @@ def _lean_call(node: Mox) -> Mox:
 
   def run(values):
     pick = lambda k: None if k is None else values[k]
-    return fn(values[node.num_vars], pick(norm.scale), pick(norm.bias))
+    return fn(values[node.num_vars + norm.x], pick(norm.scale),
+              pick(norm.bias))
 
-  root = make_mox(run)([jax.ShapeDtypeStruct(tuple(s.aval.shape),
+  # A static argument (a Literal: MaxText's out_sharding) is passed as it
+  # is, so the call keeps its inputs.
+  root = make_mox(run)([s.value if isinstance(s, Literal) else
+                        jax.ShapeDtypeStruct(tuple(s.aval.shape),
                                              s.aval.dtype)
                         for s in node.inputs])
   call = Mox(root.inputs, root.outputs, {**node.params, 'lean': 'norm'},

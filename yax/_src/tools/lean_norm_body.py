@@ -52,6 +52,7 @@ class BodyNorm:
   offset: float
   scale: int | None
   bias: int | None
+  x: int  # the input's position among the call's arguments
 
 
 class _Unknown(Exception):
@@ -304,7 +305,7 @@ def _close(p: dict, q: dict) -> bool:
              for k in keys)
 
 
-def _match(y: dict, num_vars: int) -> BodyNorm | None:
+def _match(y: dict, num_vars: int, x_index: int) -> BodyNorm | None:
   """The norm whose polynomial is ``y``, or None."""
   x = {_mono({'x': 1}): 1.0}
   mean = {_mono({('mean', _mono({'x': 1})): 1}): 1.0}
@@ -339,7 +340,7 @@ def _match(y: dict, num_vars: int) -> BodyNorm | None:
           if _close(y, want):
             return BodyNorm(rms, float(eps),
                             float(offset) if scale is not None else 0.0,
-                            scale, bias)
+                            scale, bias, x_index)
   return None
 
 
@@ -350,12 +351,14 @@ EXPECTED = ('(x - [mean(x)]) * rsqrt(mean of squares + eps) * '
 def read_norm(node: Mox) -> BodyNorm | str:
   """The norm ``node``'s body computes of its one argument, or why it is
   not one (a sentence for an error message)."""
-  if len(node.arg_inputs) != 1 or len(node.outputs) != 1:
-    return (f'it takes {len(node.arg_inputs)} arguments and returns '
+  traced = [k for k, s in enumerate(node.arg_inputs)
+            if not isinstance(s, Literal)]
+  if len(traced) != 1 or len(node.outputs) != 1:
+    return (f'it takes {len(traced)} traced arguments and returns '
             f'{len(node.outputs)} values, expected one of each')
-  (x,) = node.arg_inputs
+  x = node.arg_inputs[traced[0]]
   shape = _shape(x)
-  if isinstance(x, Literal) or not shape:
+  if not shape:
     return 'its argument is not a traced array with a feature axis'
   features = shape[-1]
   shapes = [_shape(s) for s in node.var_inputs]
@@ -377,7 +380,7 @@ def read_norm(node: Mox) -> BodyNorm | str:
   if layout != tuple(range(len(shape))) or _shape(node.outputs[0]) != shape:
     return (f'its output is not laid out as its input {shape} (found '
             f'{_shape(node.outputs[0])})')
-  norm = _match(y, node.num_vars)
+  norm = _match(y, node.num_vars, traced[0])
   if norm is None:
     lost = (f' (first value not followed: {reader.first_unknown})'
             if reader.first_unknown else '')
