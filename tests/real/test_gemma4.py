@@ -271,6 +271,27 @@ def test_text_lora_and_cast(text):
              rank=2)
 
 
+def test_text_lean_norm_reads_gemma_rmsnorm(text):
+  # Gemma's RMSNorm is its own Linen class (mean of squares, rsqrt, a scale
+  # expanded to the input's rank, or none for the values): before,
+  # lean_norm refused it by class; now it reads it from its body.
+  norms = yax.query('//module_call[@type="RMSNorm"]', text.mox)
+  new = yax.lean_norm(text.mox)
+  yax.check_mox(new)
+  lean = yax.query('//module_call[@lean="norm"]', new)
+  assert norms and [n.path for n in lean] == [n.path for n in norms]
+  check_replay(new, text.expected, text.variables, *text.args)
+
+  def loss(call):
+    return lambda v, t: jnp.sum(jnp.sin(call(v, t).logits))
+
+  mine = lambda v, t: yax.eval_mox(new, v, t)
+  assert_trees_close(jax.jit(jax.grad(loss(mine)))(text.variables, *text.args),
+                     jax.jit(jax.grad(loss(text.call)))(text.variables,
+                                                        *text.args),
+                     rtol=1e-4, atol=1e-5)
+
+
 def test_text_quantize(text):
   check_quantize(text.mox, text.variables, ADAPTED, text.call, text.args)
 

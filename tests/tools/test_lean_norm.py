@@ -118,7 +118,7 @@ def test_refusals_and_input_unchanged():
   np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(yax.SubstitutionError,
-                     match=r'its variables have the shapes \[\(4, 3\), \(3,\)\], '
+                     match=r'its variables have the shapes \[.*\(4, 3\).*\], '
                            r'expected \(4,\) each'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x),
