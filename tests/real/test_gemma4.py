@@ -280,16 +280,11 @@ def test_text_lean_norm_reads_gemma_rmsnorm(text):
   yax.check_mox(new)
   lean = yax.query('//module_call[@lean="norm"]', new)
   assert norms and [n.path for n in lean] == [n.path for n in norms]
-  check_replay(new, text.expected, text.variables, *text.args)
-
-  def loss(call):
-    return lambda v, t: jnp.sum(jnp.sin(call(v, t).logits))
-
-  mine = lambda v, t: yax.eval_mox(new, v, t)
-  assert_trees_close(jax.jit(jax.grad(loss(mine)))(text.variables, *text.args),
-                     jax.jit(jax.grad(loss(text.call)))(text.variables,
-                                                        *text.args),
-                     rtol=1e-4, atol=1e-5)
+  # Outputs only (a gradient of the whole model would compile for a minute
+  # on two cores): gradients of this norm's form (a scale expanded to the
+  # input's rank) are checked in tests/tools/test_lean_norm.py.
+  assert_trees_close(jit_eval(new, text.variables, *text.args),
+                     text.expected, **TOL)
 
 
 def test_text_quantize(text):
