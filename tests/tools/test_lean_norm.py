@@ -460,3 +460,33 @@ def test_bodies_that_are_not_norms_are_refused():
   new = check_rewrite(yax.lean_norm(mox, '//module_call[@path="ok"]'))
   np.testing.assert_allclose(yax.eval_mox(new, v, x), model.apply(v, x),
                              rtol=1e-5, atol=1e-5)
+
+
+class UpcastRMSNorm(nn.Module):
+  """MaxText's form with dtype=float32 on a bfloat16 input: the output is
+  float32, the scale applied after the cast."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
+    x = jnp.asarray(x, jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jax.lax.square(x), -1, keepdims=True)
+                          + 1e-5)
+    return jnp.einsum('...k,k->...k', y, scale)
+
+
+def test_norm_read_from_its_body_keeps_its_output_dtype():
+  model = UpcastRMSNorm()
+  x = jax.random.normal(jax.random.key(1), (4, 8)).astype(jnp.bfloat16)
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  assert yax.query('//module_call[@lean="norm"]/@type', new) == [
+      'UpcastRMSNorm']
+  assert mine(v, x).dtype == jnp.float32
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
+                             atol=1e-5)
+  grads = jax.grad(loss(mine), (0, 1))(v, x)
+  assert grads[1].dtype == jnp.bfloat16
+  assert_trees_close(grads, jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=1e-2, atol=1e-2)

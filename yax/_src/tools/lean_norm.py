@@ -23,6 +23,15 @@ fields and variables, so queries written for the plain model still find
 it; its body becomes the ``custom_vjp`` and it gains the field
 ``lean="norm"``.
 
+A norm of any other class (MaxText's, Gemma's ``x * (1 + scale)``,
+RecurrentGemma's, Tunix's, Hugging Face's ``FlaxT5LayerNorm`` ...) is read
+from what its body computes (``lean_norm_body.py``): the mean of squares
+(or the variance) over the last axis, ``rsqrt(. + eps)``, a scale with a
+constant offset, a bias, whatever the classes and primitives that spell
+them; the lean body then computes it in float32 with a two-pass variance
+and casts to the call's output dtype. Its static arguments (MaxText's
+``out_sharding``) stay inputs of the call and are not read.
+
 With ``activations=``, element-wise activations keep one tensor too.
 JAX's autodiff of an activation keeps what its derivative's formula reads:
 GELU's tanh form keeps its input, its square, the tanh and more (four or
@@ -396,9 +405,11 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath or node list of ``flax.linen``, ``flax.nnx`` or
-    Equinox ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every
-    one.
+  - ``selection``: XPath or node list of norm calls: ``flax.linen``,
+    ``flax.nnx`` or Equinox ``LayerNorm`` / ``RMSNorm``, or any call whose
+    body computes a LayerNorm/RMSNorm over the last axis; ``None`` selects
+    every call of a type named ``LayerNorm`` or ``RMSNorm`` and every other
+    call (calling no module) whose body computes one.
 
   **Returns:** the new tree: each selected call keeps its type, path,
   fields and variables (``scale``/``bias``) and gains ``lean="norm"``;
@@ -407,7 +418,8 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   (activations: bit for bit), gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
-  rewrite (not one of those classes, another axis, a cross-device norm,
+  rewrite (a body that computes no norm, with the first equation it could
+  not follow; another axis, a cross-device norm,
   a ``dtype`` that changes the output's, a norm ``yax.cast`` changed),
   ending with an XPath that leaves them out.
 
