@@ -490,3 +490,21 @@ def test_norm_read_from_its_body_keeps_its_output_dtype():
   assert grads[1].dtype == jnp.bfloat16
   assert_trees_close(grads, jax.grad(loss(model.apply), (0, 1))(v, x),
                      rtol=1e-2, atol=1e-2)
+
+
+class ReluThenNorm(nn.Module):
+  """A ReLU (jnp.maximum) before the norm: no norm of the input."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.maximum(x, 0.0)
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+
+
+def test_a_relu_before_the_norm_is_not_taken_for_a_clamp():
+  x = jax.random.normal(jax.random.key(1), (3, 8))
+  model = ReluThenNorm()
+  mox = yax.make_mox(model.apply)(model.init(jax.random.key(0), x), x)
+  with pytest.raises(yax.SubstitutionError,
+                     match='a maximum other than max\\(variance, 0\\)'):
+    yax.lean_norm(mox, '//module_call[@type="ReluThenNorm"]')

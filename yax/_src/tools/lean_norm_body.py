@@ -132,6 +132,15 @@ def _feature_mean(p: dict) -> dict:
   return {m: c for m, c in out.items() if c != 0.0}
 
 
+def _nonnegative(p: dict) -> bool:
+  """Whether ``p`` is a mean of squares or the variance ``E[x^2] -
+  E[x]^2``: never negative, so ``max(p, 0)`` is ``p`` (a ReLU of the input
+  is not)."""
+  mean = {_mono({('mean', _mono({'x': 1})): 1}): 1.0}
+  squares = {_mono({('mean', _mono({'x': 2})): 1}): 1.0}
+  return p in (squares, _add(squares, _mul(mean, mean), -1.0))
+
+
 def _merge(a: tuple, b: tuple) -> tuple:
   """The layout of an element-wise result of values laid out ``a``, ``b``."""
   if not a:
@@ -228,11 +237,11 @@ class _Reader:
       if name == 'div':
         return [(_mul(a, _power(b, Fraction(-1))), layout)]
       if name == 'max':  # the clamp max(var, 0) of Flax's fast variance
-        if b == {}:
+        if b == {} and _nonnegative(a):
           return [(a, layout)]
-        if a == {}:
+        if a == {} and _nonnegative(b):
           return [(b, layout)]
-        raise _Unknown('a maximum other than max(v, 0)')
+        raise _Unknown('a maximum other than max(variance, 0)')
       if list(b) not in ([()], []):
         raise _Unknown('a power with an exponent that is not a constant')
       exponent = Fraction(b.get((), 0.0)).limit_denominator(8)
