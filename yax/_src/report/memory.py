@@ -396,6 +396,12 @@ def _transients(jaxpr, mask: list[bool]) -> tuple[list[int], list[bool]]:
   return found, [depends(v) for v in jaxpr.outvars]
 
 
+# Transients by (body text, flags, policy, prevent_cse): the layers of a
+# stack, and the same call in the trees fit_memory measures, have equal
+# bodies; the figure depends on their types only, which the text gives.
+_TRANSIENTS: dict = {}
+
+
 def _checkpoint_transient(eqn, ins: list[bool]) -> int:
   """What a checkpoint's body keeps while its backward pass runs, beyond
   what the checkpoint keeps: the residuals of the body differentiated
@@ -407,6 +413,17 @@ def _checkpoint_transient(eqn, ins: list[bool]) -> int:
   if not any(diff):  # no gradient flows through it: no backward pass
     return 0
   body = eqn.params['jaxpr']
+  key = (str(body), tuple(diff), repr(eqn.params.get('policy')),
+         eqn.params.get('prevent_cse', True))
+  if key not in _TRANSIENTS:
+    if len(_TRANSIENTS) > 256:
+      _TRANSIENTS.clear()
+    _TRANSIENTS[key] = _measure_transient(eqn, body, avals, diff)
+  return _TRANSIENTS[key]
+
+
+def _measure_transient(eqn, body, avals, diff: list[bool]) -> int:
+  """:func:`_checkpoint_transient`, measured."""
   fun = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(body, []))
   kept = jax.checkpoint(fun, policy=eqn.params.get('policy'),
                         prevent_cse=eqn.params.get('prevent_cse', True))
