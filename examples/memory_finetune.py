@@ -20,7 +20,9 @@ The data ships with scikit-learn (``sklearn.datasets.load_digits``: 1,797
    PyTorch's peak counts it in the fewbit paper: 4 x param bytes (params,
    grads, two Adam moments) plus the bytes JAX keeps for the backward pass
    (``yax.memory_report``: JAX's saved residuals, arguments excluded,
-   attributed to the module call computing each); and draws one PNG: the
+   attributed to the module call computing each; plus, for a
+   rematerialized call, what its body keeps again while its backward pass
+   runs: ``report.peak``); and draws one PNG: the
    loss curves and, per block, the bytes each variant keeps (the exact
    tree's bars are the plan's "before", the plan's bars its "after").
 
@@ -187,7 +189,7 @@ def main():
                                atol=1e-4, err_msg=name)
     report = yax.memory_report(lambda p: xent(forward(p, xb, **extra), yb),
                                variables, xla=False)
-    saved, peak = report.total, report.training
+    saved, peak = report.total, report.peak
     kept[name] = kept_per_block(report)
     params, losses = train(forward, variables, xtr, ytr, steps=steps,
                            batch=batch, lr=1e-3, seed=2, keyed=keyed)
@@ -201,7 +203,8 @@ def main():
     print(f'{name:<22}{acc:>9.3f}{saved / 2**10:>10.1f}Ki'
           f'{peak / 2**10:>10.1f}Ki{peak / base_peak:>10.3f}')
   print(f'(peak = 4 x {param_bytes(variables) / 2**10:.1f} KiB of params + '
-        f'saved residuals at batch {batch})')
+        f'saved residuals at batch {batch} + what a rematerialized call '
+        'recomputes)')
   gap = 100 * (rows[0][1] - rows[1][1])
   print(f'\nfewbit 3-bit accuracy within 1 point of exact: {gap <= 1.0} '
         f'({gap:+.2f} points)')
