@@ -7,8 +7,11 @@ nothing of that size is run; step time and gradient error run the same
 variants at ``--time-batch`` (default 4) on 2 shared CPU cores), or
 ``--small`` (2-layer width-128 models, batch 8, length 32, a couple of
 minutes). ``--models bert`` for one model, ``--batch``/``--seq`` to change
-the size, ``--no-time`` for the memory columns only, ``--variants
-randomized,fewbit`` for the baseline and those variants only. Weights are random (from the configs); nothing is downloaded.
+the size, ``--no-time`` for the memory columns only, ``--no-xla`` without
+XLA's memory analysis (no compile at the benchmark's size), ``--variants
+randomized,fewbit`` for the baseline and the variants whose names start
+with those words (a whole name picks that variant alone), ``--layer-time``
+for the step time of one encoder layer alone (below). Weights are random (from the configs); nothing is downloaded.
 
 One training step: cross-entropy of the classifier's logits, its gradient
 and an Adam update (optax), jitted with the params and Adam state donated.
@@ -31,6 +34,10 @@ function. Variants, each a rewrite of the traced model
 * ``lean_norm(activations)``: ``yax.lean_norm(..., activations=True)``
   (each LayerNorm keeps its input and row statistics, each activation its
   input);
+* ``randomized 20% + lean``: ``yax.randomized_linear`` then
+  ``yax.lean_norm(..., activations=True)``: the lean tree keeps what
+  PyTorch keeps, so its ``vs lean`` ratio is the one to set beside
+  fewbit's randomized figure (0.814 of PyTorch's baseline);
 * ``fewbit + randomized + lean``: the three together (fewbit first);
 * ``remat every layer``: ``yax.remat`` of every ``Flax*Layer`` call;
 * ``HF gradient_checkpointing``: the same model built with
@@ -54,6 +61,10 @@ Columns:
   fewbit's table: 4 x param bytes (params, gradients, two Adam moments) plus
   the saved bytes, and its ratio to the baseline. It depends only on the
   traced program, not on the backend;
+* ``vs lean``: ``train MiB`` against ``lean_norm(activations)``'s (when
+  that variant runs): the lean tree keeps what PyTorch's baseline keeps
+  (one tensor per norm and per activation), so this is the ratio to
+  compare with fewbit's PyTorch figures;
 * ``XLA arg/out/temp/alias MiB``: ``compiled.memory_analysis()`` of the
   jitted training step. On CPU, XLA's schedule is not memory-aware, so the
   temp column is printed for reference, not as the goal;
@@ -231,6 +242,8 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask,
       'fewbit + randomized': of(
           yax.randomized_linear(few, dense, ratio=0.2) if fewbit else missing),
       'lean_norm(activations)': of(yax.lean_norm(mox, activations=True)),
+      'randomized 20% + lean': of(yax.lean_norm(
+          yax.randomized_linear(mox, dense, ratio=0.2), activations=True)),
       'fewbit + randomized + lean': of(yax.lean_norm(
           yax.randomized_linear(few, dense, ratio=0.2), activations=True)
           if fewbit else missing),
@@ -310,8 +323,8 @@ def run_model(name: str, args) -> list[str]:
       return model(ids, attention_mask=mask, params=p, train=False).logits
     planned = plans(yax.make_mox(forward)(params, big[0], big[1]), big[2],
                     tuple(args.plan_choices.split(',')))
-  found = _only(variants(model, layer, hf_gc, params, big[0], big[1],
-                         planned), args.variants)
+  every = variants(model, layer, hf_gc, params, big[0], big[1], planned)
+  found = _only(every, args.variants)
   if args.no_time:
     timed = exact = times = None
   else:  # the traced trees have the benchmark's batch: trace again
@@ -326,9 +339,13 @@ def run_model(name: str, args) -> list[str]:
            f'{args.rounds} steps side by side, and gradient error at batch '
            f'{"-" if args.no_time else args.time_batch} x {args.seq})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
-           f'{"ratio":>6s} {"XLA arg":>8s} {"out":>8s} {"temp":>8s} '
-           f'{"alias":>8s} {"step x":>7s} {"grad err":>9s}']
+           f'{"ratio":>6s} {"vs lean":>7s} {"XLA arg":>8s} {"out":>8s} '
+           f'{"temp":>8s} {"alias":>8s} {"step x":>7s} {"grad err":>9s}']
   base_train = base_time = None
+  lean_train = None  # the tree that keeps what PyTorch keeps
+  lean = every['lean_norm(activations)']
+  if lean is not None and not isinstance(lean, str):
+    lean_train = 4 * param_bytes + saved_bytes(lean, params, *big, key)
   for label, loss in found.items():
     if isinstance(loss, str):
       lines.append(f'{label:28s} {loss}')
@@ -338,7 +355,13 @@ def run_model(name: str, args) -> list[str]:
       saved = saved_bytes(loss, params, *big, key)
       train = 4 * param_bytes + saved
       base_train = base_train or train
-      arg, out, temp, alias = xla_memory(loss, opt, params, state, big, key)
+      vs_lean = (f'{train / lean_train:7.3f}' if lean_train
+                 else f'{"-":>7s}')
+      if args.no_xla:
+        arg = out = temp = alias = math.nan
+      else:
+        arg, out, temp, alias = xla_memory(loss, opt, params, state, big,
+                                           key)
       if args.no_time:
         timing = f'{"-":>7s} {"-":>9s}'
       else:
@@ -348,7 +371,8 @@ def run_model(name: str, args) -> list[str]:
         timing = f'{t / base_time:7.2f} {err:9.2e}'
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
-          f'{train / base_train:6.3f} {arg / MiB:8.1f} {out / MiB:8.1f} '
+          f'{train / base_train:6.3f} {vs_lean} {arg / MiB:8.1f} '
+          f'{out / MiB:8.1f} '
           f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
@@ -359,13 +383,15 @@ def run_model(name: str, args) -> list[str]:
 
 
 def _only(found: dict, wanted: str | None) -> dict:
-  """The baseline (every ratio is to it) and the variants whose names
-  start with one of the comma-separated ``wanted``."""
+  """The baseline (every ratio is to it) and the variants named by the
+  comma-separated ``wanted``: a variant's whole name picks that variant
+  alone, any other word every variant whose name starts with it."""
   if not wanted:
     return found
-  prefixes = [w.strip() for w in wanted.split(',')]
+  words = [w.strip() for w in wanted.split(',')]
   return {k: v for k, v in found.items()
-          if k == 'baseline' or any(k.startswith(p) for p in prefixes)}
+          if k == 'baseline' or any(
+              k == w or (w not in found and k.startswith(w)) for w in words)}
 
 
 def main(argv=None):
@@ -378,6 +404,9 @@ def main(argv=None):
   parser.add_argument('--no-time', action='store_true',
                       help='memory columns only (no step time, no gradient '
                       'error: each needs two more compiles per variant)')
+  parser.add_argument('--no-xla', action='store_true',
+                      help='no XLA memory analysis (no compile of the '
+                      'benchmark-size step: minutes per variant on CPU)')
   parser.add_argument('--variants', default=None,
                       help='comma-separated name prefixes of the variants to '
                       'run beside the baseline, e.g. "randomized,fewbit"')
