@@ -75,6 +75,15 @@ Columns:
   issue's n = 2,048 rows;
 * ``grad err``: ``||g - g_exact|| / ||g_exact||`` over all params at
   ``--time-batch`` (one sketch key for the randomized variants).
+
+``--layer-time`` times one encoder layer alone (``FlaxBertLayer``) at
+``--batch`` x ``--seq``, where a whole step of the full model is too slow
+on two cores: ``jax.grad`` of ``sum(layer(h) * c)`` with respect to the
+layer's params and its input ``h``, for the baseline, ``randomized 20%``
+(count sketch) and ``randomized 20% gaussian``, median of ``--rounds``
+rounds side by side, with each variant's saved residuals and XLA temp.
+``--layer-time --models bert --batch 128 --seq 128 --rounds 3`` is the
+issue's n = 16,384 rows; ``--batch 16`` its n = 2,048.
 """
 
 from __future__ import annotations
@@ -382,6 +391,83 @@ def run_model(name: str, args) -> list[str]:
   return lines
 
 
+def layer_time(name: str, args) -> list[str]:
+  """Forward and backward of one encoder layer alone (``FlaxBertLayer``,
+  ``FlaxRobertaLayer``) at ``--batch`` x ``--seq``: the baseline, the
+  count sketch and the Gaussian sketch (every ``Dense`` of the layer at
+  ratio 0.2), side by side. The gradient is taken with respect to the
+  layer's params and its input (a layer inside a stack passes the input
+  gradient down), of ``sum(out * c)`` for a fixed random ``c``. Also
+  prints each variant's saved residuals and XLA temp (from the compile
+  that is timed)."""
+  from transformers import BertConfig, RobertaConfig
+  from transformers.models.bert.modeling_flax_bert import FlaxBertLayer
+  from transformers.models.roberta.modeling_flax_roberta import (
+      FlaxRobertaLayer)
+  size = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=512) if args.small else {}
+  config, cls = ((BertConfig(**size), FlaxBertLayer) if name == 'bert' else
+                 (RobertaConfig(layer_norm_eps=1e-5, **size),
+                  FlaxRobertaLayer))
+  layer = cls(config)
+  rng = np.random.default_rng(0)
+  shape = (args.batch, args.seq, config.hidden_size)
+  h = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  c = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  mask = jnp.ones(shape[:2], jnp.int32)
+  params = layer.init(jax.random.PRNGKey(0), h, mask, None)
+
+  def forward(p, h, mask):
+    return layer.apply(p, h, mask, None, deterministic=True)[0]
+
+  mox = yax.make_mox(forward)(params, h, mask)
+  dense = '//module_call[@type="Dense"]'
+  trees = {'baseline': mox,
+           'randomized 20%': yax.randomized_linear(mox, dense, ratio=0.2),
+           'randomized 20% gaussian': yax.randomized_linear(
+               mox, dense, ratio=0.2, kind='gaussian')}
+  trees = _only(trees, args.variants)
+  key = jax.random.PRNGKey(0)
+
+  def loss_of(tree):
+    kw = {'sketch_key': key} if tree is not mox else {}
+    return lambda p, h: jnp.sum(yax.eval_mox(tree, p, h, mask, **kw) * c)
+
+  steps, lines = {}, []
+  head = (f'{name} layer, batch {args.batch} x {args.seq} (n = '
+          f'{args.batch * args.seq} rows), forward + backward (params and '
+          f'input), median of {args.rounds} rounds side by side')
+  print(head, flush=True)
+  lines += [head, f'{"variant":28s} {"saved MiB":>10s} {"XLA temp":>9s} '
+            f'{"compile s":>9s} {"median s":>9s} {"step x":>7s}']
+  saved, temp, compile_s = {}, {}, {}
+  for label, tree in trees.items():
+    loss = loss_of(tree)
+    saved[label] = saved_bytes(loss, params, h)
+    t0 = time.perf_counter()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h).compile()
+    compile_s[label] = time.perf_counter() - t0
+    temp[label] = step.memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(step(params, h))  # warm up
+    steps[label] = step
+    print(f'{label}: compiled in {compile_s[label]:.0f} s', flush=True)
+  times = {label: [] for label in steps}
+  for r in range(args.rounds):
+    for label, step in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(params, h))
+      times[label].append(time.perf_counter() - t0)
+    print(f'round {r}: ' + ', '.join(f'{k} {v[-1]:.2f} s'
+                                    for k, v in times.items()), flush=True)
+  base = statistics.median(times['baseline'])
+  for label in steps:
+    t = statistics.median(times[label])
+    lines.append(f'{label:28s} {saved[label] / MiB:10.1f} '
+                 f'{temp[label] / MiB:9.1f} {compile_s[label]:9.0f} '
+                 f'{t:9.2f} {t / base:7.2f}')
+  return lines
+
+
 def _only(found: dict, wanted: str | None) -> dict:
   """The baseline (every ratio is to it) and the variants named by the
   comma-separated ``wanted``: a variant's whole name picks that variant
@@ -417,6 +503,10 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=5,
                       help='steps timed per variant, side by side (the '
                       'median is printed)')
+  parser.add_argument('--layer-time', action='store_true',
+                      help='time the forward and backward of one encoder '
+                      'layer alone at --batch x --seq (baseline, count and '
+                      'Gaussian sketch), instead of the memory table')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)
@@ -427,7 +517,8 @@ def main(argv=None):
         + ' '.join(sys.argv[1:] if argv is None else argv), flush=True)
   out = []
   for name in args.models.split(','):
-    lines = run_model(name.strip(), args)
+    run = layer_time if args.layer_time else run_model
+    lines = run(name.strip(), args)
     out.extend(lines + [''])
   print('\n'.join(out))
 
