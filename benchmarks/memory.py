@@ -367,10 +367,10 @@ def run_model(name: str, args) -> list[str]:
       vs_lean = (f'{train / lean_train:7.3f}' if lean_train
                  else f'{"-":>7s}')
       if args.no_xla:
-        arg = out = temp = alias = math.nan
+        xla = ' '.join(f'{"-":>8s}' for _ in range(4))
       else:
-        arg, out, temp, alias = xla_memory(loss, opt, params, state, big,
-                                           key)
+        xla = ' '.join(f'{b / MiB:8.1f}' for b in xla_memory(
+            loss, opt, params, state, big, key))
       if args.no_time:
         timing = f'{"-":>7s} {"-":>9s}'
       else:
@@ -380,9 +380,7 @@ def run_model(name: str, args) -> list[str]:
         timing = f'{t / base_time:7.2f} {err:9.2e}'
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
-          f'{train / base_train:6.3f} {vs_lean} {arg / MiB:8.1f} '
-          f'{out / MiB:8.1f} '
-          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing}')
+          f'{train / base_train:6.3f} {vs_lean} {xla} {timing}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
         traceback.print_exc()
