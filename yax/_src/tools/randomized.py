@@ -105,21 +105,13 @@ def count_sketch(key, flat, k: int):
   """``S^T flat`` for the count sketch: row ``i`` of ``flat`` (``[n, m]``)
   times sign ``s_i`` added to bucket ``h_i`` (``[k, m]``), accumulated in
   float32. ``(h, s)`` come from ``key``: the same key gives the same
-  sketch, so the backward pass sketches the output gradient alike.
-
-  The rows are added unsigned into ``2 k`` buckets (``h_i`` where
-  ``s_i = 1``, ``k + h_i`` where ``s_i = -1``) and the second half is
-  subtracted from the first: multiplying the rows by their signs first
-  would make a signed copy of ``flat``, a temporary as large as the input
-  the sketch exists to drop (XLA keeps it whole before the scatter)."""
+  sketch, so the backward pass sketches the output gradient alike."""
   n = flat.shape[0]
   k_bucket, k_sign = jax.random.split(key)
   buckets = jax.random.randint(k_bucket, (n,), 0, k)
   signs = jax.random.rademacher(k_sign, (n,), jnp.float32)
-  halves = jax.ops.segment_sum(flat.astype(jnp.float32),
-                               jnp.where(signs < 0, buckets + k, buckets),
-                               num_segments=2 * k)
-  return (halves[:k] - halves[k:]).astype(flat.dtype)
+  rows = flat.astype(jnp.float32) * signs[:, None]
+  return jax.ops.segment_sum(rows, buckets, num_segments=k).astype(flat.dtype)
 
 
 def sketch(key, flat, k: int, kind: str):
