@@ -74,7 +74,11 @@ Columns:
   machine slows every variant alike; ``--time-batch 16 --seq 128`` is the
   issue's n = 2,048 rows;
 * ``grad err``: ``||g - g_exact|| / ||g_exact||`` over all params at
-  ``--time-batch`` (one sketch key for the randomized variants).
+  ``--time-batch`` (one sketch key for the randomized variants);
+* ``peak MiB`` and ``peak r``: ``train MiB`` plus ``yax.memory_report``'s
+  ``recompute`` (the largest body a rematerialized call recomputes while
+  its backward pass runs), and its ratio to the baseline's; what
+  ``yax.fit_memory`` plans on.
 
 ``--layer-time`` times one encoder layer alone (``FlaxBertLayer``) at
 ``--batch`` x ``--seq``, where a whole step of the full model is too slow
@@ -349,8 +353,9 @@ def run_model(name: str, args) -> list[str]:
            f'{"-" if args.no_time else args.time_batch} x {args.seq})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
            f'{"ratio":>6s} {"vs lean":>7s} {"XLA arg":>8s} {"out":>8s} '
-           f'{"temp":>8s} {"alias":>8s} {"step x":>7s} {"grad err":>9s}']
-  base_train = base_time = None
+           f'{"temp":>8s} {"alias":>8s} {"step x":>7s} {"grad err":>9s} '
+           f'{"peak MiB":>9s} {"peak r":>6s}']
+  base_train = base_time = base_peak = None
   lean_train = None  # the tree that keeps what PyTorch keeps
   lean = every['lean_norm(activations)']
   if lean is not None and not isinstance(lean, str):
@@ -378,9 +383,15 @@ def run_model(name: str, args) -> list[str]:
         base_time = base_time or times['baseline']
         err = grad_error(timed[label], exact, params, little, key)
         timing = f'{t / base_time:7.2f} {err:9.2e}'
+      # The peak: training memory plus the largest body a rematerialized
+      # call recomputes in its backward pass (memory_report's recompute).
+      peak = train + yax.memory_report(loss, params, *big, key,
+                                       xla=False).recompute
+      base_peak = base_peak or peak
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
-          f'{train / base_train:6.3f} {vs_lean} {xla} {timing}')
+          f'{train / base_train:6.3f} {vs_lean} {xla} {timing} '
+          f'{peak / MiB:9.1f} {peak / base_peak:6.3f}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
         traceback.print_exc()
