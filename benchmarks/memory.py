@@ -7,8 +7,11 @@ nothing of that size is run; step time and gradient error run the same
 variants at ``--time-batch`` (default 4) on 2 shared CPU cores), or
 ``--small`` (2-layer width-128 models, batch 8, length 32, a couple of
 minutes). ``--models bert`` for one model, ``--batch``/``--seq`` to change
-the size, ``--no-time`` for the memory columns only, ``--variants
-randomized,fewbit`` for the baseline and those variants only. Weights are random (from the configs); nothing is downloaded.
+the size, ``--no-time`` for the memory columns only, ``--no-xla`` without
+XLA's memory analysis (no compile at the benchmark's size), ``--variants
+randomized,fewbit`` for the baseline and the variants whose names start
+with those words (a whole name picks that variant alone), ``--layer-time``
+for the step time of one encoder layer alone (below). Weights are random (from the configs); nothing is downloaded.
 
 One training step: cross-entropy of the classifier's logits, its gradient
 and an Adam update (optax), jitted with the params and Adam state donated.
@@ -31,6 +34,10 @@ function. Variants, each a rewrite of the traced model
 * ``lean_norm(activations)``: ``yax.lean_norm(..., activations=True)``
   (each LayerNorm keeps its input and row statistics, each activation its
   input);
+* ``randomized 20% + lean``: ``yax.randomized_linear`` then
+  ``yax.lean_norm(..., activations=True)``: the lean tree keeps what
+  PyTorch keeps, so its ``vs lean`` ratio is the one to set beside
+  fewbit's randomized figure (0.814 of PyTorch's baseline);
 * ``fewbit + randomized + lean``: the three together (fewbit first);
 * ``remat every layer``: ``yax.remat`` of every ``Flax*Layer`` call;
 * ``HF gradient_checkpointing``: the same model built with
@@ -54,6 +61,10 @@ Columns:
   fewbit's table: 4 x param bytes (params, gradients, two Adam moments) plus
   the saved bytes, and its ratio to the baseline. It depends only on the
   traced program, not on the backend;
+* ``vs lean``: ``train MiB`` against ``lean_norm(activations)``'s (when
+  that variant runs): the lean tree keeps what PyTorch's baseline keeps
+  (one tensor per norm and per activation), so this is the ratio to
+  compare with fewbit's PyTorch figures;
 * ``XLA arg/out/temp/alias MiB``: ``compiled.memory_analysis()`` of the
   jitted training step. On CPU, XLA's schedule is not memory-aware, so the
   temp column is printed for reference, not as the goal;
@@ -63,7 +74,20 @@ Columns:
   machine slows every variant alike; ``--time-batch 16 --seq 128`` is the
   issue's n = 2,048 rows;
 * ``grad err``: ``||g - g_exact|| / ||g_exact||`` over all params at
-  ``--time-batch`` (one sketch key for the randomized variants).
+  ``--time-batch`` (one sketch key for the randomized variants);
+* ``peak MiB`` and ``peak r``: ``train MiB`` plus ``yax.memory_report``'s
+  ``recompute`` (the largest body a rematerialized call recomputes while
+  its backward pass runs), and its ratio to the baseline's; what
+  ``yax.fit_memory`` plans on.
+
+``--layer-time`` times one encoder layer alone (``FlaxBertLayer``) at
+``--batch`` x ``--seq``, where a whole step of the full model is too slow
+on two cores: ``jax.grad`` of ``sum(layer(h) * c)`` with respect to the
+layer's params and its input ``h``, for the baseline, ``randomized 20%``
+(count sketch) and ``randomized 20% gaussian``, median of ``--rounds``
+rounds side by side, with each variant's saved residuals and XLA temp.
+``--layer-time --models bert --batch 128 --seq 128 --rounds 3`` is the
+issue's n = 16,384 rows; ``--batch 16`` its n = 2,048.
 """
 
 from __future__ import annotations
@@ -231,6 +255,8 @@ def variants(model, layer: str, hf_checkpointed, params, ids, mask,
       'fewbit + randomized': of(
           yax.randomized_linear(few, dense, ratio=0.2) if fewbit else missing),
       'lean_norm(activations)': of(yax.lean_norm(mox, activations=True)),
+      'randomized 20% + lean': of(yax.lean_norm(
+          yax.randomized_linear(mox, dense, ratio=0.2), activations=True)),
       'fewbit + randomized + lean': of(yax.lean_norm(
           yax.randomized_linear(few, dense, ratio=0.2), activations=True)
           if fewbit else missing),
@@ -310,8 +336,8 @@ def run_model(name: str, args) -> list[str]:
       return model(ids, attention_mask=mask, params=p, train=False).logits
     planned = plans(yax.make_mox(forward)(params, big[0], big[1]), big[2],
                     tuple(args.plan_choices.split(',')))
-  found = _only(variants(model, layer, hf_gc, params, big[0], big[1],
-                         planned), args.variants)
+  every = variants(model, layer, hf_gc, params, big[0], big[1], planned)
+  found = _only(every, args.variants)
   if args.no_time:
     timed = exact = times = None
   else:  # the traced trees have the benchmark's batch: trace again
@@ -326,9 +352,14 @@ def run_model(name: str, args) -> list[str]:
            f'{args.rounds} steps side by side, and gradient error at batch '
            f'{"-" if args.no_time else args.time_batch} x {args.seq})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
-           f'{"ratio":>6s} {"XLA arg":>8s} {"out":>8s} {"temp":>8s} '
-           f'{"alias":>8s} {"step x":>7s} {"grad err":>9s}']
-  base_train = base_time = None
+           f'{"ratio":>6s} {"vs lean":>7s} {"XLA arg":>8s} {"out":>8s} '
+           f'{"temp":>8s} {"alias":>8s} {"step x":>7s} {"grad err":>9s} '
+           f'{"peak MiB":>9s} {"peak r":>6s}']
+  base_train = base_time = base_peak = None
+  lean_train = None  # the tree that keeps what PyTorch keeps
+  lean = every['lean_norm(activations)']
+  if lean is not None and not isinstance(lean, str):
+    lean_train = 4 * param_bytes + saved_bytes(lean, params, *big, key)
   for label, loss in found.items():
     if isinstance(loss, str):
       lines.append(f'{label:28s} {loss}')
@@ -338,7 +369,13 @@ def run_model(name: str, args) -> list[str]:
       saved = saved_bytes(loss, params, *big, key)
       train = 4 * param_bytes + saved
       base_train = base_train or train
-      arg, out, temp, alias = xla_memory(loss, opt, params, state, big, key)
+      vs_lean = (f'{train / lean_train:7.3f}' if lean_train
+                 else f'{"-":>7s}')
+      if args.no_xla:
+        xla = ' '.join(f'{"-":>8s}' for _ in range(4))
+      else:
+        xla = ' '.join(f'{b / MiB:8.1f}' for b in xla_memory(
+            loss, opt, params, state, big, key))
       if args.no_time:
         timing = f'{"-":>7s} {"-":>9s}'
       else:
@@ -346,10 +383,15 @@ def run_model(name: str, args) -> list[str]:
         base_time = base_time or times['baseline']
         err = grad_error(timed[label], exact, params, little, key)
         timing = f'{t / base_time:7.2f} {err:9.2e}'
+      # The peak: training memory plus the largest body a rematerialized
+      # call recomputes in its backward pass (memory_report's recompute).
+      peak = train + yax.memory_report(loss, params, *big, key,
+                                       xla=False).recompute
+      base_peak = base_peak or peak
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
-          f'{train / base_train:6.3f} {arg / MiB:8.1f} {out / MiB:8.1f} '
-          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing}')
+          f'{train / base_train:6.3f} {vs_lean} {xla} {timing} '
+          f'{peak / MiB:9.1f} {peak / base_peak:6.3f}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
         traceback.print_exc()
@@ -358,14 +400,93 @@ def run_model(name: str, args) -> list[str]:
   return lines
 
 
+def layer_time(name: str, args) -> list[str]:
+  """Forward and backward of one encoder layer alone (``FlaxBertLayer``,
+  ``FlaxRobertaLayer``) at ``--batch`` x ``--seq``: the baseline, the
+  count sketch and the Gaussian sketch (every ``Dense`` of the layer at
+  ratio 0.2), side by side. The gradient is taken with respect to the
+  layer's params and its input (a layer inside a stack passes the input
+  gradient down), of ``sum(out * c)`` for a fixed random ``c``. Also
+  prints each variant's saved residuals and XLA temp (from the compile
+  that is timed)."""
+  from transformers import BertConfig, RobertaConfig
+  from transformers.models.bert.modeling_flax_bert import FlaxBertLayer
+  from transformers.models.roberta.modeling_flax_roberta import (
+      FlaxRobertaLayer)
+  size = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=512) if args.small else {}
+  config, cls = ((BertConfig(**size), FlaxBertLayer) if name == 'bert' else
+                 (RobertaConfig(layer_norm_eps=1e-5, **size),
+                  FlaxRobertaLayer))
+  layer = cls(config)
+  rng = np.random.default_rng(0)
+  shape = (args.batch, args.seq, config.hidden_size)
+  h = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  c = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  mask = jnp.ones(shape[:2], jnp.int32)
+  params = layer.init(jax.random.PRNGKey(0), h, mask, None)
+
+  def forward(p, h, mask):
+    return layer.apply(p, h, mask, None, deterministic=True)[0]
+
+  mox = yax.make_mox(forward)(params, h, mask)
+  dense = '//module_call[@type="Dense"]'
+  trees = {'baseline': mox,
+           'randomized 20%': yax.randomized_linear(mox, dense, ratio=0.2),
+           'randomized 20% gaussian': yax.randomized_linear(
+               mox, dense, ratio=0.2, kind='gaussian')}
+  trees = _only(trees, args.variants)
+  key = jax.random.PRNGKey(0)
+
+  def loss_of(tree):
+    kw = {'sketch_key': key} if tree is not mox else {}
+    return lambda p, h: jnp.sum(yax.eval_mox(tree, p, h, mask, **kw) * c)
+
+  steps, lines = {}, []
+  head = (f'{name} layer, batch {args.batch} x {args.seq} (n = '
+          f'{args.batch * args.seq} rows), forward + backward (params and '
+          f'input), median of {args.rounds} rounds side by side')
+  print(head, flush=True)
+  lines += [head, f'{"variant":28s} {"saved MiB":>10s} {"XLA temp":>9s} '
+            f'{"compile s":>9s} {"median s":>9s} {"step x":>7s}']
+  saved, temp, compile_s = {}, {}, {}
+  for label, tree in trees.items():
+    loss = loss_of(tree)
+    saved[label] = saved_bytes(loss, params, h)
+    t0 = time.perf_counter()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h).compile()
+    compile_s[label] = time.perf_counter() - t0
+    temp[label] = step.memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(step(params, h))  # warm up
+    steps[label] = step
+    print(f'{label}: compiled in {compile_s[label]:.0f} s', flush=True)
+  times = {label: [] for label in steps}
+  for r in range(args.rounds):
+    for label, step in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(params, h))
+      times[label].append(time.perf_counter() - t0)
+    print(f'round {r}: ' + ', '.join(f'{k} {v[-1]:.2f} s'
+                                    for k, v in times.items()), flush=True)
+  base = statistics.median(times['baseline'])
+  for label in steps:
+    t = statistics.median(times[label])
+    lines.append(f'{label:28s} {saved[label] / MiB:10.1f} '
+                 f'{temp[label] / MiB:9.1f} {compile_s[label]:9.0f} '
+                 f'{t:9.2f} {t / base:7.2f}')
+  return lines
+
+
 def _only(found: dict, wanted: str | None) -> dict:
-  """The baseline (every ratio is to it) and the variants whose names
-  start with one of the comma-separated ``wanted``."""
+  """The baseline (every ratio is to it) and the variants named by the
+  comma-separated ``wanted``: a variant's whole name picks that variant
+  alone, any other word every variant whose name starts with it."""
   if not wanted:
     return found
-  prefixes = [w.strip() for w in wanted.split(',')]
+  words = [w.strip() for w in wanted.split(',')]
   return {k: v for k, v in found.items()
-          if k == 'baseline' or any(k.startswith(p) for p in prefixes)}
+          if k == 'baseline' or any(
+              k == w or (w not in found and k.startswith(w)) for w in words)}
 
 
 def main(argv=None):
@@ -378,6 +499,9 @@ def main(argv=None):
   parser.add_argument('--no-time', action='store_true',
                       help='memory columns only (no step time, no gradient '
                       'error: each needs two more compiles per variant)')
+  parser.add_argument('--no-xla', action='store_true',
+                      help='no XLA memory analysis (no compile of the '
+                      'benchmark-size step: minutes per variant on CPU)')
   parser.add_argument('--variants', default=None,
                       help='comma-separated name prefixes of the variants to '
                       'run beside the baseline, e.g. "randomized,fewbit"')
@@ -388,6 +512,10 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=5,
                       help='steps timed per variant, side by side (the '
                       'median is printed)')
+  parser.add_argument('--layer-time', action='store_true',
+                      help='time the forward and backward of one encoder '
+                      'layer alone at --batch x --seq (baseline, count and '
+                      'Gaussian sketch), instead of the memory table')
   parser.add_argument('--verbose', action='store_true')
   args = parser.parse_args(argv)
   args.batch = args.batch or (8 if args.small else 128)
@@ -398,7 +526,8 @@ def main(argv=None):
         + ' '.join(sys.argv[1:] if argv is None else argv), flush=True)
   out = []
   for name in args.models.split(','):
-    lines = run_model(name.strip(), args)
+    run = layer_time if args.layer_time else run_model
+    lines = run(name.strip(), args)
     out.extend(lines + [''])
   print('\n'.join(out))
 

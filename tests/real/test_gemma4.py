@@ -271,6 +271,22 @@ def test_text_lora_and_cast(text):
              rank=2)
 
 
+def test_text_lean_norm_reads_gemma_rmsnorm(text):
+  # Gemma's RMSNorm is its own Linen class (mean of squares, rsqrt, a scale
+  # expanded to the input's rank, or none for the values): before,
+  # lean_norm refused it by class; now it reads it from its body.
+  norms = yax.query('//module_call[@type="RMSNorm"]', text.mox)
+  new = yax.lean_norm(text.mox)
+  yax.check_mox(new)
+  lean = yax.query('//module_call[@lean="norm"]', new)
+  assert norms and [n.path for n in lean] == [n.path for n in norms]
+  # Outputs only (a gradient of the whole model would compile for a minute
+  # on two cores): gradients of this norm's form (a scale expanded to the
+  # input's rank) are checked in tests/tools/test_lean_norm.py.
+  assert_trees_close(jit_eval(new, text.variables, *text.args),
+                     text.expected, **TOL)
+
+
 def test_text_quantize(text):
   check_quantize(text.mox, text.variables, ADAPTED, text.call, text.args)
 

@@ -523,3 +523,41 @@ def test_cast_to_bfloat16():
                              atol=0.1 * float(np.abs(m.expected).max()))
   for node in yax.query(DENSE, low):
     assert node.params['compute_dtype'] == 'bfloat16'
+
+
+def test_lean_norm_reads_maxtext_rmsnorm():
+  # MaxText's RMSNorm is its own NNX class (x * rsqrt(mean(x^2) + eps),
+  # then an einsum with the scale; a static out_sharding argument): before,
+  # lean_norm refused it by class; now it reads it from its body. Scanned
+  # layers, as benchmarks/memory_maxtext.py runs them.
+  scan = True
+  m = build('llama2', scan)
+  new = yax.lean_norm(m.mox)
+  yax.check_mox(new)
+  norms = yax.query('//module_call[@type="RMSNorm"]', m.mox)
+  lean = yax.query('//module_call[@lean="norm"]', new)
+  # Two per decoder layer (one layer body when scanned) and the final one.
+  assert len(lean) == len(norms) == (3 if scan else 5)
+  assert [n.path for n in lean] == [n.path for n in norms]
+
+  # Gradients with respect to every float parameter (the state also holds
+  # RNG keys and counts), against jax.grad of MaxText's own forward pass.
+  leaves, tree = jax.tree.flatten(m.params)
+  floats = [k for k, leaf in enumerate(leaves)
+            if jnp.issubdtype(leaf.dtype, jnp.floating)]
+
+  def loss(run):
+    def f(values, *args):
+      full = list(leaves)
+      for k, value in zip(floats, values):
+        full[k] = value
+      return jnp.sum(jnp.sin(run(jax.tree.unflatten(tree, full), *args)))
+    return f
+
+  mine = lambda p, *a: yax.eval_mox(new, p, *a)
+  start = [leaves[k] for k in floats]
+  with m.context():
+    assert_trees_close(jit_eval(new, m.params, *m.args), m.expected, **TOL)
+    assert_trees_close(jax.jit(jax.grad(loss(mine)))(start, *m.args),
+                       jax.jit(jax.grad(loss(m.run)))(start, *m.args),
+                       rtol=1e-4, atol=1e-5)

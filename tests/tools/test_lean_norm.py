@@ -117,7 +117,9 @@ def test_refusals_and_input_unchanged():
   new = check_rewrite(yax.lean_norm(mox, fixed))
   np.testing.assert_allclose(yax.eval_mox(new, v, x), Odd().apply(v, x),
                              rtol=1e-5, atol=1e-5)
-  with pytest.raises(yax.SubstitutionError, match='not a flax.linen, flax.nnx or Equinox LayerNorm'):
+  with pytest.raises(yax.SubstitutionError,
+                     match=r'its variables have the shapes \[.*\(4, 3\).*\], '
+                           r'expected \(4,\) each'):
     yax.lean_norm(yax.make_mox(nn.Dense(3).apply)(
         nn.Dense(3).init(jax.random.key(0), x), x),
         '//module_call[@type="Dense"]')
@@ -289,3 +291,220 @@ def test_two_pass_variance_where_flax_uses_it():
   assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
                      jax.grad(loss(model.apply), (0, 1))(v, x),
                      rtol=1e-3, atol=1e-4)
+
+
+# Norms as other libraries write them, in plain JAX inside classes of their
+# own names: lean_norm reads each from what its body computes.
+class GemmaStyleRMSNorm(nn.Module):
+  """Gemma / RecurrentGemma: scale applied as (1 + scale), expand_dims."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.zeros, (x.shape[-1],))
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    normed = x * jax.lax.rsqrt(var + 1e-6)
+    return normed * (1 + jnp.expand_dims(scale, range(x.ndim - 1)))
+
+
+class T5StyleNorm(nn.Module):
+  """Hugging Face's FlaxT5LayerNorm: x / sqrt(mean(x**2) + eps) * weight."""
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param('weight', nn.initializers.ones, (x.shape[-1],))
+    variance = jnp.power(x.astype(jnp.float32), 2).mean(-1, keepdims=True)
+    return weight * (x / jnp.sqrt(variance + 1e-5))
+
+
+class CentredNorm(nn.Module):
+  """A LayerNorm written out: two-pass variance, scale and bias."""
+
+  @nn.compact
+  def __call__(self, x):
+    g = self.param('g', nn.initializers.ones, (x.shape[-1],))
+    b = self.param('b', nn.initializers.zeros, (x.shape[-1],))
+    centred = x - x.mean(-1, keepdims=True)
+    var = (centred * centred).mean(-1, keepdims=True)
+    return centred * jax.lax.rsqrt(var + 1e-5) * g + b
+
+
+class BareRMSNorm(nn.Module):
+  """No variables: x * rsqrt(mean(x * x) + eps)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 0.1)
+
+
+class Written(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    h = GemmaStyleRMSNorm(name='gemma')(h)
+    h = T5StyleNorm(name='t5')(h)
+    h = CentredNorm(name='centred')(h)
+    h = BareRMSNorm(name='bare')(h)
+    return nn.Dense(4)(h)
+
+
+WRITTEN = ['gemma', 't5', 'centred', 'bare']
+
+
+@hypothesis.given(rows=st.integers(1, 6), lead=st.integers(1, 2))
+@hypothesis.settings(max_examples=1, deadline=None)
+def test_norms_read_from_their_body(rows, lead):
+  model = Written()
+  x = 2.0 * jax.random.normal(jax.random.key(rows), (lead, rows, 5)) + 0.5
+  v = perturbed(model.init(jax.random.key(0), x))
+  mox = yax.make_mox(model.apply)(v, x)
+  before = mox.to_json()
+  new = check_rewrite(yax.lean_norm(mox))
+  assert mox.to_json() == before
+  # Found by data flow under their own class names; each keeps its type,
+  # path and variables.
+  kept = yax.query('//module_call[@lean="norm"]', new)
+  assert [(n.path, n.type_name) for n in kept] == [
+      (('gemma',), 'GemmaStyleRMSNorm'), (('t5',), 'T5StyleNorm'),
+      (('centred',), 'CentredNorm'), (('bare',), 'BareRMSNorm')]
+  for n in kept:
+    (old,) = yax.query(f'//module_call[@path="{n.path[0]}"]', mox)
+    assert n.var_tree == old.var_tree
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
+                             atol=1e-5)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=2e-4, atol=2e-5)
+
+
+def test_norms_read_from_their_body_keep_input_and_row_statistics():
+  model = Written()
+  x = jax.random.normal(jax.random.key(1), (6, 5))
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  mine = loss(lambda v, x: yax.eval_mox(new, v, x))
+  # Counted by hand: each of the four norms keeps its input [6, 16] and
+  # rstd [6, 1], the centred one its mean too; the last Dense its input
+  # (bare's output); the loss cos of the output.
+  assert saved_residuals(mine, v, x) == sorted(
+      ['f32[6,16]'] * 5 + ['f32[6,1]'] * 5 + ['f32[6,4]'])
+  plain = saved_residuals(loss(model.apply), v, x)
+  assert plain.count('f32[6,16]') >= 2 * 5  # twice as many in plain JAX
+  report = yax.memory_report(mine, v, x, xla=False)
+  by_path = report.by_path()
+  # A residual belongs to the call that computes it: gemma computes t5's
+  # input and its own rstd; centred its mean, rstd and bare's input.
+  assert by_path['gemma'] == 6 * 16 * 4 + 6 * 4
+  assert by_path['centred'] == 6 * 16 * 4 + 2 * 6 * 4
+  assert report.total == (5 * 6 * 16 + 5 * 6 + 6 * 4) * 4
+
+
+class SumNorm(nn.Module):
+  """x * rsqrt(sum(x^2) + eps): a sum, not a mean, of squares."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+class RMSNorm(nn.Module):
+  """Named as a norm, but normalises over the rows (axis 0)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, 0, keepdims=True) + 1e-6)
+
+
+class Softish(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.exp(x) * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True))
+
+
+class NotNorms(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = SumNorm(name='sum')(x)
+    x = RMSNorm(name='rows')(x)
+    x = Softish(name='soft')(x)
+    return CentredNorm(name='ok')(x)
+
+
+def test_bodies_that_are_not_norms_are_refused():
+  model = NotNorms()
+  x = jax.random.normal(jax.random.key(1), (3, 8))
+  v = model.init(jax.random.key(0), x)
+  mox = yax.make_mox(model.apply)(v, x)
+  before = mox.to_json()
+  # By default: the call named RMSNorm is refused with what it computes,
+  # the untyped ones that are no norm are not selected.
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.lean_norm(mox)
+  text = str(err.value)
+  assert "module_call RMSNorm at path 'rows'" in text
+  assert 'a sum over axis 0 of the input, not the last' in text
+  assert "'sum'" not in text and "'soft'" not in text
+  assert text.splitlines()[-1].strip() == (
+      '//module_call[@type="LayerNorm" or @type="RMSNorm"][not(@path="rows")]')
+  assert mox.to_json() == before
+  # Selected by XPath: each refusal says what it found.
+  with pytest.raises(yax.SubstitutionError) as err:
+    yax.lean_norm(mox, '//module_call[@path="sum" or @path="soft" or '
+                       '@path="ok"]')
+  text = str(err.value)
+  assert 'cannot rewrite 2 of the 3 calls' in text
+  assert "SumNorm at path 'sum': its body does not compute a norm" in text
+  assert 'found another function of its input' in text
+  assert "Softish at path 'soft'" in text and 'the primitive exp' in text
+  assert mox.to_json() == before
+  new = check_rewrite(yax.lean_norm(mox, '//module_call[@path="ok"]'))
+  np.testing.assert_allclose(yax.eval_mox(new, v, x), model.apply(v, x),
+                             rtol=1e-5, atol=1e-5)
+
+
+class UpcastRMSNorm(nn.Module):
+  """MaxText's form with dtype=float32 on a bfloat16 input: the output is
+  float32, the scale applied after the cast."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
+    x = jnp.asarray(x, jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jax.lax.square(x), -1, keepdims=True)
+                          + 1e-5)
+    return jnp.einsum('...k,k->...k', y, scale)
+
+
+def test_norm_read_from_its_body_keeps_its_output_dtype():
+  model = UpcastRMSNorm()
+  x = jax.random.normal(jax.random.key(1), (4, 8)).astype(jnp.bfloat16)
+  v = perturbed(model.init(jax.random.key(0), x))
+  new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  assert yax.query('//module_call[@lean="norm"]/@type', new) == [
+      'UpcastRMSNorm']
+  assert mine(v, x).dtype == jnp.float32
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
+                             atol=1e-5)
+  grads = jax.grad(loss(mine), (0, 1))(v, x)
+  assert grads[1].dtype == jnp.bfloat16
+  assert_trees_close(grads, jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=1e-2, atol=1e-2)
+
+
+class ReluThenNorm(nn.Module):
+  """A ReLU (jnp.maximum) before the norm: no norm of the input."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.maximum(x, 0.0)
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+
+
+def test_a_relu_before_the_norm_is_not_taken_for_a_clamp():
+  x = jax.random.normal(jax.random.key(1), (3, 8))
+  model = ReluThenNorm()
+  mox = yax.make_mox(model.apply)(model.init(jax.random.key(0), x), x)
+  with pytest.raises(yax.SubstitutionError,
+                     match='a maximum other than max\\(variance, 0\\)'):
+    yax.lean_norm(mox, '//module_call[@type="ReluThenNorm"]')

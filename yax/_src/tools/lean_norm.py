@@ -23,6 +23,15 @@ fields and variables, so queries written for the plain model still find
 it; its body becomes the ``custom_vjp`` and it gains the field
 ``lean="norm"``.
 
+A norm of any other class (MaxText's, Gemma's ``x * (1 + scale)``,
+RecurrentGemma's, Tunix's, Hugging Face's ``FlaxT5LayerNorm`` ...) is read
+from what its body computes (``lean_norm_body.py``): the mean of squares
+(or the variance) over the last axis, ``rsqrt(. + eps)``, a scale with a
+constant offset, a bias, whatever the classes and primitives that spell
+them; the lean body then computes it in float32 with a two-pass variance
+and casts to the call's output dtype. Its static arguments (MaxText's
+``out_sharding``) stay inputs of the call and are not read.
+
 With ``activations=``, element-wise activations keep one tensor too.
 JAX's autodiff of an activation keeps what its derivative's formula reads:
 GELU's tanh form keeps its input, its square, the tanh and more (four or
@@ -50,6 +59,7 @@ from yax._src.errors import SubstitutionError
 from yax._src.ir.nodes import Literal, Mox, iter_nodes
 from yax._src.rewrite import activations as _activations
 from yax._src.rewrite.engine import describe, leave_out_hint, select, substitute
+from yax._src.tools import lean_norm_body as _body
 from yax._src.trace import systems as _systems
 from yax._src.trace.make import make_mox
 from yax._src.views.query import query
@@ -75,27 +85,32 @@ def _stats(x, rms: bool, eps: float, fast: bool):
 
 @functools.lru_cache(maxsize=None)
 def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool,
-                  fast: bool = True):
+                  fast: bool = True, offset: float = 0.0, out_dtype=None):
   """``f(x, scale, bias)`` (absent ones passed as None) with the lean
-  backward pass; ``fast``: the variance as ``E[x^2] - E[x]^2``."""
+  backward pass; ``fast``: the variance as ``E[x^2] - E[x]^2``;
+  ``offset``: the scale applied as ``scale + offset`` (Gemma's ``1 +
+  scale``); ``out_dtype``: the output's dtype (None: the input's)."""
+
+  def effective(scale):
+    return scale.astype(jnp.float32) + offset
 
   def forward(x, scale, bias):
     mean, rstd = _stats(x, rms, eps, fast)
     y = (x.astype(jnp.float32) - mean) * rstd
     if use_scale:
-      y = y * scale.astype(jnp.float32)
+      y = y * effective(scale)
     if use_bias:
       y = y + bias.astype(jnp.float32)
-    return y, mean, rstd
+    return y.astype(out_dtype or x.dtype), mean, rstd
 
   @jax.custom_vjp
   def f(x, scale, bias):
-    return forward(x, scale, bias)[0].astype(x.dtype)
+    return forward(x, scale, bias)[0]
 
   def f_fwd(x, scale, bias):
     y, mean, rstd = forward(x, scale, bias)
     keep_mean = None if rms else mean
-    return y.astype(x.dtype), (x, keep_mean, rstd, scale, bias)
+    return y, (x, keep_mean, rstd, scale, bias)
 
   def f_bwd(res, g):
     x, mean, rstd, scale, bias = res
@@ -103,7 +118,7 @@ def lean_function(rms: bool, eps: float, use_scale: bool, use_bias: bool,
     centred = x.astype(jnp.float32) - (0.0 if mean is None else mean)
     xhat = centred * rstd
     rows = tuple(range(x.ndim - 1))
-    gh = g32 * scale.astype(jnp.float32) if use_scale else g32
+    gh = g32 * effective(scale) if use_scale else g32
     inner = jnp.mean(gh * xhat, axis=-1, keepdims=True)
     if rms:
       dx = rstd * (gh - xhat * inner)
@@ -136,13 +151,15 @@ def _kind(cls) -> tuple[str, bool] | None:
 class _Norm:
   """What the lean body of one norm call needs: ``f(x, scale, bias)`` of
   :func:`lean_function` with these settings, its ``scale`` and ``bias``
-  read from the variables named so."""
+  the call's variables at these positions (None: absent)."""
   rms: bool
   eps: float
-  use_scale: bool
-  use_bias: bool
   fast: bool
-  scale_name: str
+  scale: int | None
+  bias: int | None
+  offset: float = 0.0
+  out_dtype: object = None
+  x: int = 0  # the input's position among the call's arguments
 
 
 def _last_axis(value) -> bool:
@@ -151,11 +168,11 @@ def _last_axis(value) -> bool:
 
 def _norm(node) -> _Norm | str:
   """The settings of a norm call lean_norm can rewrite, or why it cannot."""
-  kind = _kind(node.module_ty) if isinstance(node, Mox) else None
-  if kind is None:
-    return ('it is not a flax.linen, flax.nnx or Equinox LayerNorm or '
-            'RMSNorm call (lean_norm rewrites those)')
-  system, rms = kind
+  if not isinstance(node, Mox) or node.is_ephemeral:
+    return 'it is not a module call'
+  kind = _kind(node.module_ty)
+  if kind is None:  # another library's norm: read from what it computes
+    return _read(node)
   if node.rewritten:
     return ('another rewrite changed its variables (rewritten="true"); '
             'lean_norm reads a norm\'s own scale and bias')
@@ -169,6 +186,7 @@ def _norm(node) -> _Norm | str:
   x = node.arg_inputs[0]
   if isinstance(x, Literal) or not getattr(x.aval, 'shape', ()):
     return 'its argument is not a traced array with a feature axis'
+  system, rms = kind
   if len(node.outputs) != 1 or node.outputs[0].aval.dtype != x.aval.dtype:
     return ('its output dtype differs from its input\'s (a dtype= '
             'setting); lean_norm keeps the input dtype')
@@ -182,20 +200,21 @@ def _norm(node) -> _Norm | str:
     if p.get('axis_name') is not None or \
         p.get('axis_index_groups') is not None:
       return 'it reduces across devices (axis_name); lean_norm does not'
-    norm = _Norm(rms, float(p.get('epsilon', 1e-6)),
-                 p.get('use_scale', True), p.get('use_bias', True) and not rms,
-                 p.get('use_fast_variance', True), 'scale')
+    use_scale, use_bias = p.get('use_scale', True), \
+        p.get('use_bias', True) and not rms
+    eps, fast, scale_name = float(p.get('epsilon', 1e-6)), \
+        p.get('use_fast_variance', True), 'scale'
   else:  # Equinox: the whole (per-example) shape is normalised
     shape = tuple(p.get('shape', ()))
     if len(shape) != 1 or tuple(x.aval.shape[-1:]) != shape:
       return (f'it normalises over shape={shape!r} for an input '
               f'{x.aval.str_short()}; lean_norm supports one feature axis, '
               'the last')
-    norm = _Norm(rms, float(p['eps']), p.get('use_weight', True),
-                 p.get('use_bias', True), False, 'weight')
+    use_scale, use_bias = p.get('use_weight', True), p.get('use_bias', True)
+    eps, fast, scale_name = float(p['eps']), False, 'weight'
   names = _variable_names(node)
-  wanted = {norm.scale_name} if norm.use_scale else set()
-  if norm.use_bias:
+  wanted = {scale_name} if use_scale else set()
+  if use_bias:
     wanted.add('bias')
   if names is None or set(names) != wanted:
     return (f'it reads the variables {names!r}, expected '
@@ -207,7 +226,29 @@ def _norm(node) -> _Norm | str:
     return (f'its variables {odd!r} are not of shape ({features},) (a '
             'stack of norms under a transform); lean_norm reads one scale '
             'and bias')
-  return norm
+  return _Norm(rms, eps, fast,
+               names.index(scale_name) if use_scale else None,
+               names.index('bias') if use_bias else None)
+
+
+def _read(node: Mox) -> _Norm | str:
+  """The settings of a call of another class, read from its body (its
+  static arguments, such as MaxText's ``out_sharding``, are left out)."""
+  if node.rewritten:
+    return ('another rewrite changed its variables (rewritten="true"); '
+            'lean_norm reads a norm\'s own scale and bias')
+  if 'compute_dtype' in node.params:
+    return (f'yax.cast made it compute in {node.params["compute_dtype"]}; '
+            'lean_norm computes in float32 and would drop that (leave norms '
+            'out of the cast)')
+  if any(isinstance(c, Mox) for c in node.children):
+    return ('it calls other modules; a norm computes its output from its '
+            'input and variables alone')
+  read = _body.read_norm(node)
+  if isinstance(read, str):
+    return read
+  return _Norm(read.rms, read.eps, False, read.scale, read.bias,
+               read.offset, jnp.dtype(node.outputs[0].aval.dtype), read.x)
 
 
 def _variable_names(node: Mox) -> list | None:
@@ -231,16 +272,19 @@ def _lean_call(node: Mox) -> Mox:
   inputs (variables, then ``x``), outputs, type, path and fields, plus the
   field ``lean="norm"``."""
   norm = _norm(node)
-  fn = lean_function(norm.rms, norm.eps, norm.use_scale, norm.use_bias,
-                     norm.fast)
-  names = _variable_names(node)
+  fn = lean_function(norm.rms, norm.eps, norm.scale is not None,
+                     norm.bias is not None, norm.fast, norm.offset,
+                     norm.out_dtype)
 
   def run(values):
-    own = dict(zip(names, values[:node.num_vars]))
-    return fn(values[node.num_vars], own.get(norm.scale_name),
-              own.get('bias'))
+    pick = lambda k: None if k is None else values[k]
+    return fn(values[node.num_vars + norm.x], pick(norm.scale),
+              pick(norm.bias))
 
-  root = make_mox(run)([jax.ShapeDtypeStruct(tuple(s.aval.shape),
+  # A static argument (a Literal: MaxText's out_sharding) is passed as it
+  # is, so the call keeps its inputs.
+  root = make_mox(run)([s.value if isinstance(s, Literal) else
+                        jax.ShapeDtypeStruct(tuple(s.aval.shape),
                                              s.aval.dtype)
                         for s in node.inputs])
   call = Mox(root.inputs, root.outputs, {**node.params, 'lean': 'norm'},
@@ -342,15 +386,30 @@ def _lean_activations(mox: Mox, where) -> Mox:
   return substitute(nodes, _ActivationReplacement(), tree).mox
 
 
+def _default_norms(mox: Mox) -> list:
+  """What ``selection=None`` selects, in tree order: every call of a type
+  named ``LayerNorm`` or ``RMSNorm`` (refused with the reason where it is
+  not one lean_norm can rewrite), and every other module call that calls
+  no module and whose body computes a norm (``FlaxT5LayerNorm``, ...)."""
+  typed = {id(n) for n in query(DEFAULT, mox)}
+  return [n for n in iter_nodes(mox) if isinstance(n, Mox) and (
+      id(n) in typed or (
+          n is not mox and not n.is_ephemeral and n.params.get('lean') is None
+          and not any(isinstance(c, Mox) for c in n.children)
+          and not isinstance(_norm(n), str)))]
+
+
 def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   """LayerNorm/RMSNorm calls that keep their input and per-row statistics
   for the backward pass, with exact gradients.
 
   **Arguments:**
   - ``mox``: the traced tree (left unchanged).
-  - ``selection``: XPath or node list of ``flax.linen``, ``flax.nnx`` or
-    Equinox ``LayerNorm`` / ``RMSNorm`` calls; ``None`` selects every
-    one.
+  - ``selection``: XPath or node list of norm calls: ``flax.linen``,
+    ``flax.nnx`` or Equinox ``LayerNorm`` / ``RMSNorm``, or any call whose
+    body computes a LayerNorm/RMSNorm over the last axis; ``None`` selects
+    every call of a type named ``LayerNorm`` or ``RMSNorm`` and every other
+    call (calling no module) whose body computes one.
 
   **Returns:** the new tree: each selected call keeps its type, path,
   fields and variables (``scale``/``bias``) and gains ``lean="norm"``;
@@ -359,7 +418,8 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
   (activations: bit for bit), gradients exact.
 
   Raises ``SubstitutionError`` naming each selected call it cannot
-  rewrite (not one of those classes, another axis, a cross-device norm,
+  rewrite (a body that computes no norm, with the first equation it could
+  not follow; another axis, a cross-device norm,
   a ``dtype`` that changes the output's, a norm ``yax.cast`` changed),
   ending with an XPath that leaves them out.
 
@@ -376,10 +436,13 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
     raise SubstitutionError(
         f'lean_norm: activations must be False, True or an XPath of module '
         f'calls, found {activations!r}')
-  if selection is None and activations is not False and \
-      not query(DEFAULT, mox):
-    return _lean_activations(mox, activations)
-  chosen = select(DEFAULT if selection is None else selection, mox)
+  if selection is None:
+    found = _default_norms(mox)
+    if not found and activations is not False:
+      return _lean_activations(mox, activations)
+    chosen = select(found or DEFAULT, mox)
+  else:
+    chosen = select(selection, mox)
   problems = [(n, why) for n in chosen.targets
               if isinstance(why := _norm(n), str)]
   if problems:
@@ -389,7 +452,8 @@ def lean_norm(mox: Mox, selection=None, *, activations=False) -> Mox:
                           chosen.targets)
     raise SubstitutionError(
         f'lean_norm cannot rewrite {len(problems)} of the '
-        f'{len(chosen.targets)} calls selected by {chosen.description}:\n'
+        f'{len(chosen.targets)} calls selected by '
+        f'{DEFAULT if selection is None else chosen.description}:\n'
         f'{lines}\n{hint}')
 
   new = substitute(chosen, lambda path, node: _lean_call(node), mox).mox
