@@ -85,20 +85,19 @@ def encode(name: str, bits: int, x, slope: float | None = None) -> jax.Array:
   that costs several times the activation itself.
   """
   borders = np.asarray(table(name, bits, slope)[0], np.float32)
-  flat = jnp.asarray(x).astype(jnp.float32)
+  x32 = jnp.asarray(x).astype(jnp.float32)
   if bits <= 4:
-    codes = jnp.zeros(flat.shape, jnp.uint8)
+    codes = jnp.zeros(x32.shape, jnp.uint8)
     for b in borders:
-      codes = codes + jnp.logical_not(flat < b).astype(jnp.uint8)
+      codes = codes + jnp.logical_not(x32 < b).astype(jnp.uint8)
     return codes
-  # At most 2**bits - 1 borders are passed: the count is the sum of the
-  # steps taken, each step (from the largest) taken while the border it
-  # lands on is not above ``x``.
-  table_ = jnp.asarray(borders)
-  count = jnp.zeros(flat.shape, jnp.int32)
+  # The 2**bits - 1 borders passed, found from the largest step down: a
+  # step is taken where the border it lands on is not above ``x``.
+  lookup = jnp.asarray(borders)
+  count = jnp.zeros(x32.shape, jnp.int32)
   for j in reversed(range(bits)):
     ahead = count + 2 ** j
-    count = jnp.where(flat < table_[ahead - 1], count, ahead)
+    count = jnp.where(x32 < lookup[ahead - 1], count, ahead)
   return count.astype(jnp.uint8)
 
 
