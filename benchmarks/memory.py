@@ -63,7 +63,11 @@ Columns:
   machine slows every variant alike; ``--time-batch 16 --seq 128`` is the
   issue's n = 2,048 rows;
 * ``grad err``: ``||g - g_exact|| / ||g_exact||`` over all params at
-  ``--time-batch`` (one sketch key for the randomized variants).
+  ``--time-batch`` (one sketch key for the randomized variants);
+* ``peak MiB`` and ``peak r``: ``train MiB`` plus ``yax.memory_report``'s
+  ``recompute`` (the largest body a rematerialized call recomputes while
+  its backward pass runs), and its ratio to the baseline's; what
+  ``yax.fit_memory`` plans on.
 """
 
 from __future__ import annotations
@@ -327,8 +331,9 @@ def run_model(name: str, args) -> list[str]:
            f'{"-" if args.no_time else args.time_batch} x {args.seq})',
            f'{"variant":28s} {"saved MiB":>10s} {"train MiB":>10s} '
            f'{"ratio":>6s} {"XLA arg":>8s} {"out":>8s} {"temp":>8s} '
-           f'{"alias":>8s} {"step x":>7s} {"grad err":>9s}']
-  base_train = base_time = None
+           f'{"alias":>8s} {"step x":>7s} {"grad err":>9s} '
+           f'{"peak MiB":>9s} {"peak r":>6s}']
+  base_train = base_time = base_peak = None
   for label, loss in found.items():
     if isinstance(loss, str):
       lines.append(f'{label:28s} {loss}')
@@ -346,10 +351,16 @@ def run_model(name: str, args) -> list[str]:
         base_time = base_time or times['baseline']
         err = grad_error(timed[label], exact, params, little, key)
         timing = f'{t / base_time:7.2f} {err:9.2e}'
+      # The peak: training memory plus the largest body a rematerialized
+      # call recomputes in its backward pass (memory_report's recompute).
+      peak = train + yax.memory_report(loss, params, *big, key,
+                                       xla=False).recompute
+      base_peak = base_peak or peak
       lines.append(
           f'{label:28s} {saved / MiB:10.1f} {train / MiB:10.1f} '
           f'{train / base_train:6.3f} {arg / MiB:8.1f} {out / MiB:8.1f} '
-          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing}')
+          f'{temp / MiB:8.1f} {alias / MiB:8.1f} {timing} '
+          f'{peak / MiB:9.1f} {peak / base_peak:6.3f}')
     except Exception as e:  # noqa: BLE001 - a failing variant is a row
       if args.verbose:
         traceback.print_exc()

@@ -12,14 +12,17 @@ The data ships with scikit-learn (``sklearn.datasets.load_digits``: 1,797
    3-bit code of its input for the backward pass); ``yax.randomized_linear``
    on every ``Dense`` (each keeps a sketch of 20% of its input rows); both;
    ``yax.lean_norm(mox, activations=True)`` (each LayerNorm keeps its
-   input and row statistics, each GELU its input: exact gradients); and
-   all three;
+   input and row statistics, each GELU its input: exact gradients); all
+   three; and the plan ``yax.fit_memory`` makes, per module call, to bring
+   training memory to half the exact tree's (``--budget``) at the least
+   added compute (its table is printed);
 4. prints a table of final test accuracy and training memory, counted as
    PyTorch's peak counts it in the fewbit paper: 4 x param bytes (params,
    grads, two Adam moments) plus the bytes JAX keeps for the backward pass
    (``yax.memory_report``: JAX's saved residuals, arguments excluded,
    attributed to the module call computing each); and draws one PNG: the
-   loss curves and, per block, the bytes each variant keeps.
+   loss curves and, per block, the bytes each variant keeps (the exact
+   tree's bars are the plan's "before", the plan's bars its "after").
 
 Run::
 
@@ -131,6 +134,9 @@ def main():
                       help='a smaller model and fewer steps (for CI)')
   parser.add_argument('--out', default='memory_finetune.png',
                       help='where to save the loss curves')
+  parser.add_argument('--budget', type=float, default=0.5,
+                      help="yax.fit_memory's budget: a fraction of the exact "
+                           "tree's training memory (default 0.5)")
   args = parser.parse_args()
   hidden, pre_steps, steps, batch = (
       (128, 150, 150, 128) if args.small else (512, 300, 600, 128))
@@ -154,13 +160,20 @@ def main():
   every = yax.lean_norm(both, activations=True)
   names = yax.query('//module_call[@type="FewBit"]/@name', fewbit)
   print(f'fewbit: {len(names)} sites, 3 bits each: {names}')
+  # The planner measures on the batch it is given: the loss of the logits
+  # on these labels, with respect to the params (the first argument).
+  xb, yb = xtr[:batch], ytr[:batch]
+  plan = yax.fit_memory(mox, lambda logits: xent(logits, yb),
+                        budget=args.budget, args=((variables, xb), {}))
+  print(f'\nyax.fit_memory at {args.budget} of the exact training memory:')
+  print(plan)
 
   variants = [('exact', mox, False), ('fewbit 3-bit', fewbit, False),
               ('randomized 20%', randomized, True),
               ('fewbit + randomized', both, True),
               ('lean norm + GELU', lean, False),
-              ('all three', every, True)]
-  xb, yb = xtr[:batch], ytr[:batch]
+              ('all three', every, True),
+              (f'plan {args.budget}', plan.mox, plan.takes_sketch_key)]
   key = jax.random.PRNGKey(7)
   rows, curves, kept = [], {}, {}
   for name, tree, keyed in variants:
@@ -194,6 +207,9 @@ def main():
         f'({gap:+.2f} points)')
   gap = 100 * (rows[0][1] - rows[4][1])
   print(f'lean norm + GELU accuracy within 1 point of exact: {gap <= 1.0} '
+        f'({gap:+.2f} points)')
+  gap = 100 * (rows[0][1] - rows[6][1])
+  print(f'plan {args.budget} accuracy within 1 point of exact: {gap <= 1.0} '
         f'({gap:+.2f} points)')
 
   import matplotlib

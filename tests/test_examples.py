@@ -152,7 +152,8 @@ def test_memory_finetune_small(tmp_path):
   find(r"fewbit: 3 sites, 3 bits each: \['gelu', 'gelu', 'gelu'\]", out)
   rows = {}
   for name in ('exact', 'fewbit 3-bit', 'randomized 20%',
-               'fewbit \\+ randomized', 'lean norm \\+ GELU', 'all three'):
+               'fewbit \\+ randomized', 'lean norm \\+ GELU', 'all three',
+               'plan 0.5'):
     m = find(rf'{name}\s+([\d.]+)\s+([\d.]+)Ki\s+([\d.]+)Ki\s+([\d.]+)', out)
     rows[name.replace('\\', '')] = [float(g) for g in m.groups()]
   exact, few = rows['exact'], rows['fewbit 3-bit']
@@ -168,6 +169,12 @@ def test_memory_finetune_small(tmp_path):
   assert lean[0] >= exact[0] - 0.01 and lean[1] < exact[1]
   assert every[1] < rows['fewbit + randomized'][1]
   find(r'lean norm \+ GELU accuracy within 1 point of exact: True', out)
+  # The planner's tree meets its budget, measured again by the example's
+  # own memory_report, and trains as well as the exact tree.
+  plan = rows['plan 0.5']
+  assert plan[3] <= 0.5 and plan[0] >= exact[0] - 0.01
+  find(r'training memory [\d,]+ bytes = 0\.\d+ of the baseline', out)
+  find(r'plan 0.5 accuracy within 1 point of exact: True', out)
   assert f'loss curves and memory per block saved to {png}' in out
   assert png.read_bytes().startswith(PNG_MAGIC)
 

@@ -1,8 +1,11 @@
 """``yax.fit_memory``: choose a memory rewrite per module call to fit a budget.
 
-A training step's memory is estimated as ``yax.memory_report`` does: ``4 x
-param bytes`` (params, gradients, Adam's two moments) plus the residuals the
-backward pass keeps. The planner cuts the residuals, per module call, with
+A training step's memory is estimated as ``yax.memory_report``'s peak: ``4
+x param bytes`` (params, gradients, Adam's two moments) plus the residuals the
+backward pass keeps, plus the largest body a rematerialized call recomputes
+while its own backward pass runs (``MemoryReport.recompute``: remat of a
+whole model keeps almost nothing between the passes, but its peak is the
+baseline's). The planner cuts the residuals, per module call, with
 the memory rewrites (its *choices*):
 
 * ``lean_norm``: a Linen LayerNorm/RMSNorm keeps its input and per-row
@@ -95,9 +98,9 @@ class MemoryPlan:
     mox: the rewritten tree (evaluate it with ``sketch_key=`` when
       ``takes_sketch_key``).
     table: one :class:`PlanRow` per chosen call, in call order.
-    memory: training memory of ``mox`` (bytes, ``4 x params + saved``,
-      measured by ``memory_report``).
-    baseline: training memory of the input tree.
+    memory: peak training memory of ``mox`` (bytes, ``4 x params + saved
+      + recompute``: ``MemoryReport.peak``, measured by ``memory_report``).
+    baseline: peak training memory of the input tree.
     budget: the budget in bytes.
     added_flops: FLOPs the plan adds to the gradient computation
       (measured on the planned tree).
@@ -154,7 +157,9 @@ class MemoryPlan:
 @dataclasses.dataclass(frozen=True)
 class _Option:
   """A choice measured for one call path (``saved``/``flops`` per path);
-  ``rows``: the report rows (paths) it changes. Two options conflict when
+  ``rows``: the report rows (paths) it changes; ``transient``: the
+  recompute figure of the tree with this choice alone
+  (``MemoryReport.recompute``). Two options conflict when
   their rows meet (or they are the same rewrite of nested calls:
   :func:`_meet`)."""
   path: tuple
@@ -163,6 +168,7 @@ class _Option:
   saved: int
   flops: int
   rows: frozenset
+  transient: int = 0
 
   @property
   def label(self) -> str:
@@ -256,7 +262,9 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   - ``loss``: maps what the tree returns to a scalar.
   - ``budget``: bytes of training memory (an int), or a float in (0, 1): a
     fraction of the input tree's training memory. Training memory is
-    ``memory_report``'s: ``4 x param bytes + saved residuals``.
+    ``memory_report``'s peak: ``4 x param bytes + saved residuals +
+    recompute`` (what a rematerialized call's body keeps while its
+    backward pass runs).
   - ``args``: ``(args, kwargs)`` to evaluate the tree on; by default
     ``jax.ShapeDtypeStruct`` s of the traced inputs (nothing is computed:
     every measurement traces or compiles only).
@@ -273,7 +281,8 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   **Returns:** a :class:`MemoryPlan`: ``.mox`` (the rewritten tree: it
   takes ``sketch_key=`` when ``.takes_sketch_key``), ``.table`` (per
   chosen call: path, choice, bytes kept before and after, added FLOPs),
-  ``.memory`` (the training memory reached, checked by ``memory_report``)
+  ``.memory`` (the peak training memory reached, checked by
+  ``memory_report``)
   and ``.report``. ``str(plan)`` is a table.
 
   Raises ``SubstitutionError`` when ``budget`` is below the least training
@@ -336,11 +345,11 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
   else:
     base_report, base_flops = measure(mox, False)
     options = None
-  baseline = base_report.training
+  baseline = base_report.peak
   limit = in_bytes if fraction is None else int(fraction * baseline)
   types = {n.path: n.type_name or '' for n in iter_nodes(mox)
            if isinstance(n, Mox) and not n.is_ephemeral}
-  if base_report.training <= limit:
+  if base_report.peak <= limit:
     return MemoryPlan(mox, (), baseline, baseline, limit, 0, False,
                       base_report)
 
@@ -360,26 +369,31 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     report, flops = measure(tree, sketched)
     return tree, report, flops
 
+  # The recompute transient is a maximum, paid once: the choices are
+  # made among those whose transient is at most a level, the level that
+  # meets the estimate at the least added FLOPs.
+  floor = _level(options, base_report, limit)
+  usable = [o for o in options if o.transient <= floor]
   checked = []  # (memory, chosen, tree, report, flops) of each check
   chosen: dict = {}
   shift = 0
   for _ in range(len(options) + 1):
     while _estimate(base_report, chosen) + shift > limit:
-      pick = _next_option(options, chosen, _cheapest)
+      pick = _next_option(usable, chosen, _cheapest, floor)
       if pick is None:
         break
       _take(chosen, pick)
     tree, report, flops = check(chosen)
-    checked.append((report.training, dict(chosen), tree, report, flops))
-    if report.training <= limit or \
-        _next_option(options, chosen, _cheapest) is None:
+    checked.append((report.peak, dict(chosen), tree, report, flops))
+    if report.peak <= limit or \
+        _next_option(usable, chosen, _cheapest, floor) is None:
       break
-    shift = report.training - _estimate(base_report, chosen)
+    shift = report.peak - _estimate(base_report, chosen)
   if checked[-1][0] > limit:
     # The cheap choices ran out: the choices that save the most bytes.
-    least = _greedy(options, {}, lambda cost, saved, opt: -saved)
+    least = _least(options, base_report)
     tree, report, flops = check(least)
-    checked.append((report.training, least, tree, report, flops))
+    checked.append((report.peak, least, tree, report, flops))
   met = [c for c in checked if c[0] <= limit]
   if not met:
     least = min(c[0] for c in checked)
@@ -400,7 +414,56 @@ def _in_order(chosen: dict) -> list[_Option]:
 
 
 def _estimate(base_report: MemoryReport, chosen: dict) -> int:
-  return base_report.training - sum(o.saved for o in chosen.values())
+  return base_report.training - sum(o.saved for o in chosen.values()) + \
+      _transient(chosen.values(), base_report.recompute)
+
+
+def _transient(options, floor: int) -> int:
+  """The recompute figure of a set of choices: the largest of theirs
+  (measured alone) and the input tree's own (``floor``)."""
+  return max([floor] + [o.transient for o in options])
+
+
+def _levels(options, base_report: MemoryReport):
+  """For each recompute level (the input tree's and each option's
+  transient), the options whose transient is at most that level."""
+  floor = base_report.recompute
+  for level in sorted({floor} | {o.transient for o in options
+                                 if o.transient > floor}):
+    yield level, [o for o in options if o.transient <= level]
+
+
+def _level(options, base_report: MemoryReport, limit: int) -> int:
+  """The recompute level at which the cheapest choices (by
+  :func:`_cheapest`, taken while the estimate is over ``limit``) meet
+  ``limit`` at the least added FLOPs (the lowest such level), or else
+  reach the least estimate."""
+  best = None
+  for level, usable in _levels(options, base_report):
+    chosen: dict = {}
+    while _estimate(base_report, chosen) > limit:
+      pick = _next_option(usable, chosen, _cheapest, level)
+      if pick is None:
+        break
+      _take(chosen, pick)
+    estimate = _estimate(base_report, chosen)
+    key = (estimate > limit, estimate if estimate > limit else
+           sum(o.flops for o in chosen.values()))
+    if best is None or key < best[0]:
+      best = (key, level)
+  return best[1]
+
+
+def _least(options, base_report: MemoryReport) -> dict:
+  """The choices that save the most bytes (taken greedily by bytes at
+  each recompute level), at the level of the least estimate."""
+  best = None
+  for level, usable in _levels(options, base_report):
+    chosen = _greedy(usable, {}, lambda cost, saved, opt: -saved, level)
+    if best is None or _estimate(base_report, chosen) < _estimate(
+        base_report, best):
+      best = chosen
+  return best
 
 
 def _row_path(text: str) -> tuple:
@@ -459,7 +522,8 @@ def _options(mox, types, choices, bits, ratio, policies, measure,
         # remat takes the whole call; the others the rows they change.
         rows = {r for r in before if _inside(r, p)} if kind == 'remat' \
             else {r for r in changed if _inside(r, p)}
-        out.append(_Option(p, kind, arg, saved, added, frozenset(rows | {p})))
+        out.append(_Option(p, kind, arg, saved, added, frozenset(rows | {p}),
+                           report.recompute))
   return out
 
 
@@ -479,17 +543,21 @@ def _cheapest(cost: int, saved: int, opt: _Option):
   return (round(max(cost, 0) / saved, 2), opt.rank, -len(opt.path), -saved)
 
 
-def _next_option(options, chosen: dict, key) -> _Option | None:
+def _next_option(options, chosen: dict, key, floor: int = 0
+                 ) -> _Option | None:
   """The best option by ``key(cost, saved, option)`` (lowest first), where
   ``saved`` and ``cost`` are what it saves and adds over the chosen options
-  it replaces (those whose rows meet its rows); None when no option saves
-  more than what it replaces."""
+  it replaces (those whose rows meet its rows), ``saved`` net of the
+  recompute transient it adds (:func:`_transient`, ``floor`` the input
+  tree's); None when no option saves more than what it replaces."""
   best, best_key = None, None
   for opt in options:
     if chosen.get(opt.path) is opt:
       continue
     replaced = [o for o in chosen.values() if _meet(o, opt)]
-    saved = opt.saved - sum(o.saved for o in replaced)
+    kept = [o for o in chosen.values() if o not in replaced]
+    saved = opt.saved - sum(o.saved for o in replaced) - (
+        _transient(kept + [opt], floor) - _transient(chosen.values(), floor))
     if saved <= 0:
       continue
     cost = opt.flops - sum(o.flops for o in replaced)
@@ -514,11 +582,11 @@ def _take(chosen: dict, pick: _Option) -> None:
   chosen[pick.path] = pick
 
 
-def _greedy(options, chosen: dict, key) -> dict:
+def _greedy(options, chosen: dict, key, floor: int = 0) -> dict:
   """Takes options by ``key`` until none saves more (the total saved
   grows at each step, so this ends)."""
   chosen = dict(chosen)
-  while (pick := _next_option(options, chosen, key)) is not None:
+  while (pick := _next_option(options, chosen, key, floor)) is not None:
     _take(chosen, pick)
   return chosen
 
@@ -541,7 +609,7 @@ def _plan(mox, tree, chosen, base_report, report, baseline, limit, added,
               o.flops, o.kind in EXACT)
       for o in sorted(chosen.values(), key=lambda o: order[o.path]))
   return MemoryPlan(
-      mox=tree, table=rows, memory=report.training, baseline=baseline,
+      mox=tree, table=rows, memory=report.peak, baseline=baseline,
       budget=limit, added_flops=added,
       takes_sketch_key=any(o.kind == 'randomized' for o in chosen.values()),
       report=report,

@@ -21,6 +21,19 @@ says which module call computes each one:
 Training memory is estimated as ``4 x param bytes + saved`` (params,
 gradients and Adam's two moments, plus the residuals); XLA's memory
 analysis of the compiled gradient is given beside it.
+
+A rematerialized call (a ``checkpoint`` equation: ``jax.checkpoint``,
+``nn.remat``, ``yax.remat``) keeps only its inputs (or what its policy
+saves), but while its own backward pass runs its body is recomputed and
+the body's residuals are live. That transient is the *recompute* figure:
+for each checkpoint the step runs (inside ``jit``, ``scan``, ``while``,
+``cond``, custom derivative bodies too), the bytes the body keeps when
+differentiated without the checkpoint, minus what the checkpoint keeps,
+plus the largest transient of the checkpoints nested in it; the largest
+over the checkpoints (the backward pass runs them one at a time). A
+checkpoint inside a ``scan`` body counts one iteration; a ``scan`` inside
+a checkpoint counts its stacked residuals. The *peak* is ``training +
+recompute``.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from yax._src import compat
 from yax._src.errors import SignatureError
 from yax._src.ir.nodes import Mox
 from yax._src.ir.nodes import iter_nodes
+from yax._src.ir.rules import CHECKPOINT
 from yax._src.report.flops import jaxpr_flops
 from yax._src.trace.eval import MODULE_SCOPE, Interpreter, check_arguments
 from yax._src.trace.make import make_mox
@@ -87,6 +101,12 @@ class MemoryReport:
     xla: XLA's memory analysis of the compiled ``jax.grad(loss)``
       (``argument``, ``output``, ``temp``, ``alias``, ``generated_code``
       bytes), or None when not computed or the backend gives none.
+    recompute: bytes live on top of ``total`` while the backward pass
+      recomputes a rematerialized call: the largest, over the checkpoints
+      the step runs, of what the checkpoint's body keeps (differentiated
+      without the checkpoint) beyond what the checkpoint itself keeps,
+      plus the largest such figure of the checkpoints nested in it. 0
+      when the step has no checkpoint.
   """
   rows: tuple[MemoryRow, ...]
   unattributed: int
@@ -96,6 +116,14 @@ class MemoryReport:
   param_bytes: int
   training: int
   xla: dict[str, int] | None
+  recompute: int = 0
+
+  @property
+  def peak(self) -> int:
+    """``training + recompute``: the training memory while the backward
+    pass recomputes the largest rematerialized call (``training`` when
+    nothing is rematerialized)."""
+    return self.training + self.recompute
 
   def by_path(self) -> dict[str, int]:
     """``{path: bytes}`` of the rows."""
@@ -112,6 +140,10 @@ class MemoryReport:
     lines.append(f'{"params":<{width}}  {"":<20}  {self.param_bytes:>14,}')
     lines.append(f'{"training (4 x params + saved)":<{width}}  {"":<20}  '
                  f'{self.training:>14,}')
+    lines.append(f'{"recompute (largest remat body)":<{width}}  {"":<20}  '
+                 f'{self.recompute:>14,}')
+    lines.append(f'{"peak (training + recompute)":<{width}}  {"":<20}  '
+                 f'{self.peak:>14,}')
     if self.xla:
       lines.append('XLA memory analysis of jax.grad(loss): ' + ', '.join(
           f'{k} {v:,}' for k, v in self.xla.items()))
@@ -209,7 +241,8 @@ def step_memory(loss, *args, flops: bool = False
   pass; ``flops=True`` counts that trace's FLOPs (``report/flops.py``,
   XLA's conventions), as ``jax.grad(loss)`` computes them.
 
-  Returns ``(report, flops)`` (``flops`` None unless asked).
+  Returns ``(report, flops)`` (``flops`` None unless asked); the
+  report's ``recompute`` and ``peak`` are computed as ``memory_report``'s.
 
   Example::
 
@@ -292,5 +325,137 @@ def _analyse(run, p_leaves, rest, *, flops: bool
                                    for a in outside),
       total=total, excluded=tuple(excluded), param_bytes=param_bytes,
       training=4 * param_bytes + total,
-      xla=None)
+      xla=None, recompute=_recompute(run, p_leaves, rest))
   return report, (jaxpr_flops(jaxpr) if flops else None)
+
+
+def _recompute(run, p_leaves, rest) -> int:
+  """``MemoryReport.recompute`` of ``run(p_leaves, rest)`` differentiated
+  with respect to ``p_leaves``: its forward pass is traced, and each
+  checkpoint equation measured (:func:`_transients`)."""
+  closed = jax.make_jaxpr(run)(p_leaves, rest)
+  n_params = len(jax.tree_util.tree_leaves(p_leaves))
+  mask = [i < n_params for i in range(len(closed.jaxpr.invars))]
+  return max(_transients(closed.jaxpr, mask)[0], default=0)
+
+
+def _bodies(eqn, ins: list[bool]) -> list[tuple[Any, list[bool]]]:
+  """The bodies of an equation (``jit``, ``scan``, ``while``, ``cond``,
+  custom derivatives ...), each with which of its inputs depend on the
+  params: an input of the equation passed straight to the body keeps its
+  flag; a loop's carry, and any input not matched one to one, depends on
+  the params when any input of the equation does (conservative)."""
+  anyin = any(ins)
+  out = []
+  for value in eqn.params.values():
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for item in items:
+      body = getattr(item, 'jaxpr', item)  # a ClosedJaxpr's open Jaxpr
+      if not isinstance(body, jax.extend.core.Jaxpr):
+        continue
+      n = len(body.invars)
+      name = eqn.primitive.name
+      if name == 'scan':
+        k = compat.scan_num_consts(eqn.params)
+        mask = ins[:k] + [anyin] * (n - k)
+      elif name == 'while':  # inputs: cond consts, body consts, carry
+        cn, bn = eqn.params['cond_nconsts'], eqn.params['body_nconsts']
+        consts = ins[:cn] if body is eqn.params['cond_jaxpr'].jaxpr \
+            else ins[cn:cn + bn]
+        mask = consts + [anyin] * (n - len(consts))
+      elif n == len(ins):
+        mask = list(ins)
+      elif name == 'cond' and n == len(ins) - 1:
+        mask = list(ins[1:])  # the branch index first
+      else:
+        mask = [anyin] * n
+      out.append((body, mask))
+  return out
+
+
+def _transients(jaxpr, mask: list[bool]) -> tuple[list[int], list[bool]]:
+  """The recompute transient (bytes) of each outermost checkpoint
+  equation in ``jaxpr`` (in the bodies of other equations too), whose
+  inputs flagged in ``mask`` depend on the params; and that flag for
+  each output."""
+  flags = dict(zip(jaxpr.invars, mask))
+
+  def depends(v) -> bool:
+    return not isinstance(v, jax.extend.core.Literal) and flags.get(v, False)
+
+  found: list[int] = []
+  for eqn in jaxpr.eqns:
+    ins = [depends(v) for v in eqn.invars]
+    if eqn.primitive.name in CHECKPOINT:
+      found.append(_checkpoint_transient(eqn, ins))
+    else:
+      for body, body_mask in _bodies(eqn, ins):
+        found.extend(_transients(body, body_mask)[0])
+    for v in eqn.outvars:
+      flags[v] = any(ins)
+  return found, [depends(v) for v in jaxpr.outvars]
+
+
+# Transients by (body text, flags, policy, prevent_cse): the layers of a
+# stack, and the same call in the trees fit_memory measures, have equal
+# bodies; the figure depends on their types only, which the text gives.
+_TRANSIENTS: dict = {}
+
+
+def _checkpoint_transient(eqn, ins: list[bool]) -> int:
+  """What a checkpoint's body keeps while its backward pass runs, beyond
+  what the checkpoint keeps: the residuals of the body differentiated
+  without the checkpoint minus those with it (its policy), plus the
+  largest transient of the checkpoints nested in the body."""
+  avals = [v.aval for v in eqn.invars]
+  diff = [d and jnp.issubdtype(a.dtype, jnp.inexact)
+          for d, a in zip(ins, avals)]
+  if not any(diff):  # no gradient flows through it: no backward pass
+    return 0
+  body = eqn.params['jaxpr']
+  key = (str(body), tuple(diff), repr(eqn.params.get('policy')),
+         eqn.params.get('prevent_cse', True))
+  if key not in _TRANSIENTS:
+    if len(_TRANSIENTS) > 256:
+      _TRANSIENTS.clear()
+    _TRANSIENTS[key] = _measure_transient(eqn, body, avals, diff)
+  return _TRANSIENTS[key]
+
+
+def _measure_transient(eqn, body, avals, diff: list[bool]) -> int:
+  """:func:`_checkpoint_transient`, measured."""
+  fun = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(body, []))
+  kept = jax.checkpoint(fun, policy=eqn.params.get('policy'),
+                        prevent_cse=eqn.params.get('prevent_cse', True))
+  inner = max(_transients(body, diff)[0], default=0)
+  return max(_residual_bytes(fun, avals, diff)
+             - _residual_bytes(kept, avals, diff), 0) + inner
+
+
+def _residual_bytes(fun, avals, diff: list[bool]) -> int:
+  """Bytes of the residuals ``jax.vjp`` of ``fun`` keeps (each once;
+  arguments, constants and literals excluded), differentiated with
+  respect to the arguments flagged in ``diff`` (the others are held
+  fixed)."""
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  primals = [s for s, d in zip(specs, diff) if d]
+  fixed = [s for s, d in zip(specs, diff) if not d]
+
+  def vjp(primals, fixed):
+    def f(*p):
+      ps, fs = iter(p), iter(fixed)
+      return fun(*[next(ps) if d else next(fs) for d in diff])
+    return jax.vjp(f, *primals)
+
+  closed, shapes = jax.make_jaxpr(vjp, return_shape=True)(primals, fixed)
+  jaxpr = closed.jaxpr
+  n_out = len(jax.tree_util.tree_leaves(shapes[0]))
+  inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  seen = set()
+  total = 0
+  for v in jaxpr.outvars[n_out:]:
+    if isinstance(v, jax.extend.core.Literal) or v in inputs or v in seen:
+      continue
+    seen.add(v)
+    total += nbytes(v.aval)
+  return total

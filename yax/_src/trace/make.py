@@ -34,7 +34,6 @@ from jax.extend import core as jex
 
 from yax._src.errors import TraceError, TraceWarning
 from yax._src.ir import lower as _lower
-from yax._src.ir import rules as _rules
 from yax._src.ir.nodes import Equation, Literal, Mox, Symbol, Var
 from yax._src.ir.variables import is_variable_treedef
 from yax._src.trace import calls as _calls
