@@ -162,6 +162,42 @@ def test_pack_round_trip_and_size(bits, n, seed):
   np.testing.assert_array_equal(_fewbit.unpack(packed, bits, (n,)), codes)
 
 
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(ACTS)), bits=st.sampled_from(_fewbit.BITS),
+       slope=st.sampled_from([None, 0.1, -0.5]),
+       dtype=st.sampled_from(['float32', 'bfloat16', 'float16']),
+       drawn=st.lists(st.floats(width=32), max_size=40),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_codes_are_searchsorted_right_at_borders_and_specials(
+    name, bits, slope, dtype, drawn, seed):
+  """The code of ``x`` is ``np.searchsorted(borders, x, side='right')``:
+  at each border and its float32 neighbours, at +-0, +-inf and NaN of
+  either sign (after every border), in each input dtype. Subnormals
+  compare as zero, as XLA computes them (so did ``jnp.searchsorted``)."""
+  slope = slope if name == 'leaky_relu' else None
+  borders = np.asarray(_fewbit.table(name, bits, slope)[0], np.float32)
+  finite = borders[np.isfinite(borders)]
+  nan = np.float32('nan')
+  x = np.concatenate([
+      finite, np.nextafter(finite, np.float32(np.inf)),
+      np.nextafter(finite, np.float32(-np.inf)), -finite,
+      np.array([0.0, -0.0, nan, -nan, np.inf, -np.inf, 3e38, -3e38],
+               np.float32),
+      np.asarray(drawn, np.float32),
+      3 * np.random.default_rng(seed).standard_normal(50).astype(np.float32)])
+  # One length for every example: eager ops compile once per dtype.
+  x = np.pad(x, (0, 1200 - x.size))
+  x = np.asarray(jnp.asarray(x).astype(dtype))
+  # XLA flushes subnormal inputs to zero (of their sign) before comparing.
+  flushed = x.astype(np.float32)
+  flushed = np.where(np.abs(flushed) < np.finfo(np.float32).tiny,
+                     np.copysign(np.float32(0), flushed), flushed)
+  expected = np.searchsorted(borders, flushed, side='right')
+  got = _fewbit.encode(name, bits, jnp.asarray(x), slope)
+  assert got.dtype == jnp.uint8 and got.shape == x.shape
+  np.testing.assert_array_equal(np.asarray(got), expected)
+
+
 @settings(max_examples=8, deadline=None)
 @given(shape=st.lists(st.integers(1, 6), min_size=0, max_size=3),
        name=st.sampled_from(sorted(ACTS)), bits=st.sampled_from(_fewbit.BITS))
