@@ -60,10 +60,6 @@ ACTIVATIONS: dict[str, Callable] = {
 LEAKY_SLOPE = 0.01
 
 
-# Leaky ReLU's slope where none is given (``jax.nn.leaky_relu``'s default).
-LEAKY_SLOPE = 0.01
-
-
 def _rewritten_paths(mox: Mox) -> list[tuple]:
   return [n.path for n in iter_nodes(mox)
           if isinstance(n, Mox) and n.type_name in REWRITTEN]
