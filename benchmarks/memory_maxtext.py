@@ -26,8 +26,9 @@ hide the per-layer choices from the planner.)
 For the baseline and for each MaxText preset that needs no host memory
 (``remat_policy``: ``none``, ``minimal``, ``save_dot_except_mlp``,
 ``save_qkv_proj``, ``save_out_proj``, ``full``), the model is built with
-that preset and measured: training memory (``yax.memory_report``: 4 x
-param bytes + the residuals JAX saves for the backward pass) and XLA's
+that preset and measured: peak training memory (``yax.memory_report``'s
+``peak``: 4 x param bytes + the residuals JAX saves for the backward pass
++ the largest body a checkpoint recomputes in its backward pass) and XLA's
 FLOP count of the compiled gradient (``cost_analysis``). Then
 ``yax.fit_memory`` plans the baseline's traced tree (``all``: every
 choice; ``exact``: only ``lean_norm`` and ``remat``, both with the
@@ -40,7 +41,7 @@ training memory as its budget, and at 0.5, 0.25 and 0.12 of the
 baseline's; the planned tree is measured the same way. The loss is the
 cross-entropy of the logits against the tokens shifted by one.
 
-Columns: ``train MiB`` and its ratio to the baseline; ``grad GFLOP`` and
+Columns: ``peak MiB`` and its ratio to the baseline; ``grad GFLOP`` and
 its ratio to the baseline (what recomputation costs); for each plan, the
 same, and the seconds planning took.
 """
@@ -168,12 +169,14 @@ def xent(logits, tokens):
 
 
 def measure(loss, state, *rest):
-  """(training bytes, gradient FLOPs) of ``loss(state, *rest)``."""
+  """(peak training bytes, gradient FLOPs) of ``loss(state, *rest)``: the
+  peak, as ``yax.fit_memory`` plans on it, so that a preset's checkpointed
+  layer pays for the layer it recomputes."""
   report = yax.memory_report(loss, state, *rest, xla=False)
   cost = jax.jit(jax.grad(loss, allow_int=True)).lower(
       state, *rest).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return report.training, float(cost.get('flops', 0.0))
+  return report.peak, float(cost.get('flops', 0.0))
 
 
 def main(argv=None):
@@ -247,7 +250,7 @@ def main(argv=None):
         got = measure(loss, state, tokens, positions)
       print(plan, flush=True)
       row(label, *got, seconds)
-  print('\n| variant | train MiB | ratio | grad GFLOP | ratio | plan s |\n'
+  print('\n| variant | peak MiB | ratio | grad GFLOP | ratio | plan s |\n'
         '|---|---:|---:|---:|---:|---:|')
   print('\n'.join(rows))
 
