@@ -241,8 +241,18 @@ def test_plan_with_approximate_choices_meets_the_budget(mox):
   # (few-bit activations, a sketched kernel gradient) but close.
   np.testing.assert_allclose(yax.eval_mox(plan.mox, VARS, X, **extra),
                              NET.apply(VARS, X), rtol=1e-5, atol=1e-5)
-  got = jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(
-      jax.grad(planned)(VARS))])
+  # A sketched kernel gradient is unbiased, not close for one key on rows
+  # this few: the mean over 8 keys is what tends to the (few-bit) gradient.
+  keys = range(8) if plan.takes_sketch_key else range(1)
+
+  def grad_with(seed):
+    extra = ({'sketch_key': jax.random.key(seed)} if plan.takes_sketch_key
+             else {})
+    return jax.grad(lambda p: out_loss(
+        yax.eval_mox(plan.mox, p, X, **extra)))(VARS)
+
+  got = sum(jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(
+      grad_with(seed))]) for seed in keys) / len(keys)
   want = jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(
       jax.grad(plain_loss)(VARS))])
   cosine = got @ want / (jnp.linalg.norm(got) * jnp.linalg.norm(want))
