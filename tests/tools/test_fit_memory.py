@@ -360,7 +360,7 @@ def test_same_rewrite_of_nested_calls_is_chosen_once():
 
   baseline = kept(lambda p: out_loss(top.apply(p, x)))
   with pytest.raises(yax.SubstitutionError,
-                     match='below the least training memory') as info:
+                     match='below the least peak training memory') as info:
     yax.fit_memory(scan_mox, out_loss, budget=0.3, choices=('fewbit',))
   least = int(re.search(r'reach: ([\d,]+) bytes', str(info.value))
               .group(1).replace(',', ''))

@@ -173,8 +173,8 @@ class MemoryPlan:
                    f'{r.after:>12,}  {r.added_flops:>13,}')
     base = max(self.baseline, 1)
     lines.append(
-        f'training memory {self.memory:,} bytes = {self.memory / base:.3f} of '
-        f'the baseline {self.baseline:,} (budget {self.budget:,} = '
+        f'peak training memory {self.memory:,} bytes = '
+        f'{self.memory / base:.3f} of the baseline {self.baseline:,} (budget {self.budget:,} = '
         f'{self.budget / base:.3f}); added FLOPs {self.added_flops:,}')
     return '\n'.join(lines)
 
@@ -431,8 +431,8 @@ def fit_memory(mox: Mox, loss: Callable, *, budget, args=None,
     least = min(c[0] for c in checked)
     raise SubstitutionError(
         f'fit_memory: the budget {limit:,} bytes ({limit / baseline:.3f} of '
-        f"the baseline's training memory {baseline:,}) is below the least "
-        f'training memory the choices {", ".join(choices)} reach: '
+        f"the baseline's peak training memory {baseline:,}) is below the "
+        f'least peak training memory the choices {", ".join(choices)} reach: '
         f'{least:,} bytes ({least / baseline:.3f} of the baseline). The '
         'tree is unchanged.')
   memory, chosen, tree, report, flops = met[0]
