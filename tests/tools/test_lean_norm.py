@@ -41,6 +41,19 @@ def loss(apply):
   return lambda v, x: jnp.sum(jnp.sin(apply(v, x)))
 
 
+def assert_equals_plain(new, model, v, x, *, rtol=1e-5, atol=1e-5,
+                        grad_rtol=2e-4, grad_atol=2e-5):
+  """The rewritten tree's output and its gradients with respect to the
+  params and the input equal the plain model's."""
+  mine = lambda v, x: yax.eval_mox(new, v, x)
+  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=rtol,
+                             atol=atol)
+  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
+                     jax.grad(loss(model.apply), (0, 1))(v, x),
+                     rtol=grad_rtol, atol=grad_atol)
+
+
+
 @hypothesis.given(rows=st.integers(1, 7), features=st.integers(2, 24),
                   lead=st.integers(1, 3),
                   epsilon=st.sampled_from([1e-6, 1e-5, 0.1]))
@@ -65,12 +78,7 @@ def test_outputs_and_gradients_are_the_originals(rows, features, lead,
   for a, b in zip(kept, plain, strict=True):
     assert a.var_tree == b.var_tree and a.entrypoint == b.entrypoint
     assert {k: v for k, v in a.params.items() if k != 'lean'} == b.params
-  mine = lambda v, x: yax.eval_mox(new, v, x)
-  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
-                             atol=1e-5)
-  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
-                     jax.grad(loss(model.apply), (0, 1))(v, x),
-                     rtol=2e-4, atol=2e-5)
+  assert_equals_plain(new, model, v, x)
 
 
 def test_each_norm_keeps_its_input_and_row_statistics():
@@ -190,13 +198,8 @@ def test_activations_keep_their_input_only():
   new = check_rewrite(yax.lean_norm(mox, activations=True))
   assert yax.query('//module_call[@type="LeanActivation"]/@name', new) == [
       'gelu_tanh', 'silu']
-  mine = lambda v, x: yax.eval_mox(new, v, x)
   # The norm rounds differently (fast variance); the activations not.
-  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
-                             atol=1e-6)
-  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
-                     jax.grad(loss(model.apply), (0, 1))(v, x),
-                     rtol=2e-4, atol=2e-5)
+  assert_equals_plain(new, model, v, x, atol=1e-6)
   # A model with no norm: the activations alone; outputs bit for bit.
   up = Up()
   vu = perturbed(up.init(jax.random.key(2), x))
@@ -208,7 +211,7 @@ def test_activations_keep_their_input_only():
                      jax.grad(loss(up.apply), (0, 1))(vu, x),
                      rtol=1e-6, atol=1e-7)
 
-  lean = saved_residuals(loss(mine), v, x)
+  lean = saved_residuals(loss(lambda v, x: yax.eval_mox(new, v, x)), v, x)
   # ln: mean, rstd (its input is the argument x); up's Dense its input
   # (ln's output); GELU its input only; mid its input (GELU's output);
   # SiLU its input only; down its input (SiLU's output); cos for the loss.
@@ -285,12 +288,8 @@ def test_two_pass_variance_where_flax_uses_it():
   x = 1000.0 + jax.random.normal(jax.random.key(1), (4, 16))
   v = perturbed(model.init(jax.random.key(0), x))
   new = check_rewrite(yax.lean_norm(yax.make_mox(model.apply)(v, x)))
-  mine = lambda v, x: yax.eval_mox(new, v, x)
-  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-4,
-                             atol=1e-4)
-  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
-                     jax.grad(loss(model.apply), (0, 1))(v, x),
-                     rtol=1e-3, atol=1e-4)
+  assert_equals_plain(new, model, v, x, rtol=1e-4, atol=1e-4,
+                      grad_rtol=1e-3, grad_atol=1e-4)
 
 
 # Norms as other libraries write them, in plain JAX inside classes of their
@@ -369,12 +368,7 @@ def test_norms_read_from_their_body(rows, lead):
   for n in kept:
     (old,) = yax.query(f'//module_call[@path="{n.path[0]}"]', mox)
     assert n.var_tree == old.var_tree
-  mine = lambda v, x: yax.eval_mox(new, v, x)
-  np.testing.assert_allclose(mine(v, x), model.apply(v, x), rtol=1e-5,
-                             atol=1e-5)
-  assert_trees_close(jax.grad(loss(mine), (0, 1))(v, x),
-                     jax.grad(loss(model.apply), (0, 1))(v, x),
-                     rtol=2e-4, atol=2e-5)
+  assert_equals_plain(new, model, v, x)
 
 
 def test_norms_read_from_their_body_keep_input_and_row_statistics():
